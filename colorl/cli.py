@@ -1,0 +1,148 @@
+"""`colorl` command line: train, export, predict, simulate.
+
+Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+
+EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 1
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"colorl: error: {message}", file=sys.stderr)
+    return code
+
+
+def _check_devices(requested: str, nproc: int) -> str:
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("launch.device=cuda: no CUDA device is available here; use --device cpu")
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise ValueError(f"launch.nproc={nproc}: only {torch.cuda.device_count()} CUDA devices here")
+    return device
+
+
+def cmd_train(args) -> int:
+    from colorl.config import ConfigError, dump_config, load_config
+    from colorl.tasks import TaskOptionError, build_task
+
+    overrides = list(args.set or [])
+    if args.nproc is not None:
+        overrides.append(f"launch.nproc={args.nproc}")
+    if args.device is not None:
+        overrides.append(f"launch.device={args.device}")
+    try:
+        cfg = load_config(args.config, overrides)
+        build_task(cfg.task, cfg.run.seed)  # task options and dataset files, before any process starts
+    except (ConfigError, TaskOptionError, ValueError) as exc:
+        return fail(str(exc))
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.dir) / cfg.run.name
+    if args.dry_run:  # a config for another machine (e.g. 8 GPUs) validates here without its devices
+        print(dump_config(cfg), end="")
+        print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+        return 0
+    try:
+        device = _check_devices(cfg.launch.device, cfg.launch.nproc)
+    except ValueError as exc:
+        return fail(str(exc))
+    from colorl.train.checkpoint import latest_step
+    from colorl.worker import prepare_run_dir, run_rank
+
+    if args.resume and latest_step(run_dir) is None:
+        return fail(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    try:
+        prepare_run_dir(cfg, run_dir, args.resume)
+    except (FileExistsError, OSError) as exc:
+        return fail(str(exc))
+    from colorl.launch import launch
+
+    failure = launch(run_rank, cfg.launch.nproc, device, (cfg.model_dump(mode="json"), str(run_dir), args.resume, device))
+    if failure is None:
+        print(f"run finished: {run_dir}")
+        return 0
+    Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
+    return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
+
+
+def _readable(error: str, frames: int = 20) -> str:
+    """The error line first, then only the innermost part of the traceback."""
+    head, _, trace = error.partition("\n\n")
+    lines = trace.rstrip().splitlines()
+    if len(lines) > frames:
+        lines = ["  ..."] + lines[-frames:]
+    return "\n".join([head, ""] + lines) if lines else head
+
+
+def cmd_export(args) -> int:
+    from colorl.export import ExportError, export_run
+
+    try:
+        out = export_run(Path(args.run_dir), Path(args.out), args.step)
+    except ExportError as exc:
+        return fail(str(exc))
+    print(f"exported: {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colorl", description="single-node GRPO trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run GRPO training from a YAML config")
+    train.add_argument("config")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    train.add_argument("--nproc", type=int, help="ranks to launch (default: launch.nproc)")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    train.add_argument("--run-dir", help="default: run.dir/run.name")
+    train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config")
+    train.set_defaults(func=cmd_train)
+
+    export = sub.add_parser("export", help="write a Hugging Face folder from a run's checkpoint")
+    export.add_argument("run_dir")
+    export.add_argument("out")
+    export.add_argument("--step", type=int, help="default: the latest checkpoint")
+    export.set_defaults(func=cmd_export)
+
+    try:
+        from colorl.staleness.commands import add_predict_parser, add_simulate_parser
+    except ImportError:
+        pass
+    else:
+        add_predict_parser(sub)
+        add_simulate_parser(sub)
+    return parser
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its one-line usage error
+        return int(exc.code or 0) and EXIT_BAD_INPUT
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

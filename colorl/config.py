@@ -1,0 +1,289 @@
+"""The typed run configuration: YAML file + `--set key=value` overrides -> validated `Config`.
+
+Every rejection is a `ConfigError` whose message is one line naming the key, the value and what
+is allowed, so the CLI can print it and exit 2 without a traceback.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENGINES = ("native", "hf", "sglang")
+TASKS = ("arithmetic", "countdown", "jsonl")
+MODES = ("colocated", "bounded_lag")
+IMPLEMENTED_MODES = ("colocated",)
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is a single line meant for the terminal."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    save_every: int = Field(10, ge=0)  # 0: only at the end
+    eval_every: int = Field(0, ge=0)  # 0: no periodic eval
+    eval_prompts: int = Field(32, ge=0)
+    tensorboard: bool = False
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class ModelConfig(Section):
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: Optional[LoraConfig] = None
+    system_prompt: Optional[str] = None
+
+
+class TaskConfig(Section):
+    name: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    path: Optional[str] = None  # jsonl: file with {"prompt", "answer"} lines
+    eval_path: Optional[str] = None
+    reward: Optional[str] = None  # "module:function"
+    reward_timeout_s: float = Field(5.0, gt=0)
+    options: dict[str, Any] = {}  # task-specific knobs, checked by the task itself
+
+
+class LengthOverride(Section):
+    mean: float = Field(64, gt=0)
+    tailness: float = Field(90, ge=0, le=100)
+    cap: int = Field(512, ge=1)
+
+
+class RolloutConfig(Section):
+    engine: Literal["native", "hf", "sglang"] = "native"
+    group_size: int = Field(4, ge=2)
+    batch_groups: int = Field(8, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    concurrency: int = Field(32, ge=1)
+    length_override: Optional[LengthOverride] = None
+
+
+class TrainConfig(Section):
+    lr: float = Field(1.0e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    micro_batch: int = Field(8, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    offload_optimizer: bool = False
+
+
+class LossConfig(Section):
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.28, ge=0)
+    tis_cap: float = Field(2.0, gt=0)
+    std_norm: bool = True
+    kl_coef: float = Field(0.0, ge=0)
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+
+
+class FilterConfig(Section):
+    zero_variance: bool = False
+
+
+class StalenessConfig(Section):
+    max: int = Field(1, ge=0)
+    buffer: Literal["staleflow", "queue_drop", "queue_max"] = "staleflow"
+    queue_factor: float = Field(1.0, ge=1)
+    partial_rollout: Literal["keep", "recompute"] = "keep"
+
+
+class SyncConfig(Section):
+    bucket_mb: float = Field(256, gt=0)
+
+
+class EngineConfig(Section):
+    memory_fraction: float = Field(0.5, gt=0, le=1)
+    block_size: int = Field(16, ge=1)
+    num_blocks: Optional[int] = Field(None, ge=1)  # explicit KV pool size; overrides memory_fraction
+    max_num_seqs: int = Field(64, ge=1)
+    max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
+    sleep_level: Literal[1, 2] = 1
+
+
+class LaunchConfig(Section):
+    nproc: int = Field(1, ge=1, le=64)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    loss: LossConfig = LossConfig()
+    filter: FilterConfig = FilterConfig()
+    mode: Literal["colocated", "bounded_lag"] = "colocated"
+    staleness: StalenessConfig = StalenessConfig()
+    sync: SyncConfig = SyncConfig()
+    engine: EngineConfig = EngineConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        nproc = self.launch.nproc
+        if self.rollout.batch_groups % nproc:
+            raise ValueError(
+                f"rollout.batch_groups={self.rollout.batch_groups} must be divisible by launch.nproc={nproc}"
+            )
+        if self.task.name == "jsonl" and not self.task.path:
+            raise ValueError("task.path is required when task.name=jsonl")
+        if self.mode not in IMPLEMENTED_MODES:
+            raise ValueError(f"mode={self.mode!r} is not available in this version; allowed: {list(IMPLEMENTED_MODES)}")
+        if self.rollout.engine == "sglang" and self.launch.device == "cpu":
+            raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
+        return self
+
+    @property
+    def rollouts_per_step(self) -> int:
+        """B = G·S, over all ranks."""
+        return self.rollout.batch_groups * self.rollout.group_size
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, check_paths: bool = True) -> Config:
+    """Read YAML, apply `key=value` overrides, validate; raise ConfigError with one line on any problem."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            raw = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{file}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        apply_override(raw, item)
+    config = validate(raw)
+    if check_paths:
+        check_external(config)
+    return config
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`a.b.c=value`, the value parsed as YAML so numbers, booleans and whole sections work."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML") from None
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, raw)) from None
+
+
+def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
+    error = exc.errors()[0]
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "literal["))]
+    key = ".".join(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"unknown key {key!r}{_did_you_mean(loc)}"
+    if kind == "value_error" and not loc:
+        return str(error["msg"]).removeprefix("Value error, ")
+    value = error.get("input")
+    allowed = _allowed(error)
+    return f"{key}={value!r}: {allowed}"
+
+
+def _allowed(error: dict) -> str:
+    ctx = error.get("ctx") or {}
+    kind = error["type"]
+    if kind == "literal_error":
+        return f"allowed: {ctx.get('expected')}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit}"
+    return str(error["msg"]).lower()
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            return ""
+        model = candidates[0]
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    prefix = ".".join(loc[:-1] + close[:1])
+    return f" (did you mean {prefix!r}?)" if close else f"; allowed: {sorted(model.model_fields)}"
+
+
+def check_external(config: Config) -> None:
+    """Checks that touch the disk or import code: model path, task files, reward function."""
+    from colorl.models import ModelNotFound, check_model_path
+
+    try:
+        check_model_path(config.model.path)
+    except ModelNotFound as exc:
+        raise ConfigError(str(exc)) from None
+    for key in ("path", "eval_path"):
+        value = getattr(config.task, key)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"task.{key}={value!r}: file not found")
+    if config.task.reward:
+        resolve_reward(config.task.reward)
+
+
+def resolve_reward(spec: str):
+    """Import a user reward `module:function`; ConfigError if it cannot be found or called."""
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ConfigError(f"task.reward={spec!r}: expected 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is a config problem
+        raise ConfigError(f"task.reward={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(f"task.reward={spec!r}: {module_name!r} has no callable {func_name!r}")
+    return func
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

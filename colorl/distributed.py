@@ -1,0 +1,51 @@
+"""Process-group helpers shared by the launcher, the workers and the tests."""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import closing
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu", timeout_s: float = 120) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _worker(local_rank: int, world: int, port: int, fn, args) -> None:
+    init_process_group(local_rank, world, port)
+    try:
+        fn(local_rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args) -> None:
+    """Run `fn(rank, world, *args)` in `world` fresh processes joined by a gloo group (tests, benches).
+
+    `fn` must be importable (module level); an exception in any rank is re-raised here.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)

@@ -1,0 +1,119 @@
+"""The inference-engine interface every backend implements.
+
+The trainer talks to engines only through this module's types, so backends
+(hf, native, sglang) are interchangeable in both modes.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Partial rollout: tokens already generated for this request (resume by re-prefill),
+    # with their behaviour log-probs and versions, carried into the result.
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each output token, at the sampling temperature
+    versions: list[int]  # policy version that produced each output token
+    finish_reason: str  # "stop" | "length" | "abort" | "interrupt"
+
+    @property
+    def first_version(self) -> int:
+        """V_traj: the version of the first generated token (the oldest that touched it)."""
+        return min(self.versions) if self.versions else -1
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    finished: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    decode_tokens_per_s: float
+
+
+class Engine(ABC):
+    """A rollout engine. Weights use Hugging Face parameter names."""
+
+    version: int = 0
+
+    @abstractmethod
+    def add(self, request: GenerationRequest) -> None: ...
+
+    @abstractmethod
+    def step(self) -> list[GenerationResult]:
+        """Advance every running request by one scheduling step; return those that finished."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None: ...
+
+    @abstractmethod
+    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        """Stop the requests and hand back what they generated so far (finish_reason 'interrupt')."""
+
+    @abstractmethod
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """The engine's live weight tensors by HF name: targets for in-place loads."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the engine's weights in place (caller guarantees a step boundary)."""
+        targets = self.named_weights()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                targets[name].copy_(tensor)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.load_weights(named_tensors)
+        self.version = version
+
+    @abstractmethod
+    def sleep(self, level: int = 1) -> None: ...
+
+    @abstractmethod
+    def wake(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
+        """Run requests to completion; results in request order."""
+        order = []
+        for request in requests:
+            order.append(request.request_id)
+            self.add(request)
+        done: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for result in self.step():
+                done[result.request_id] = result
+        return [done[rid] for rid in order]

@@ -1,0 +1,47 @@
+"""`colorl export`: a run's checkpoint -> a Hugging Face folder (safetensors) for `from_pretrained`."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+
+class ExportError(ValueError):
+    """One line for the user."""
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
+    from colorl.config import ConfigError, validate
+    from colorl.models import load_model, load_tokenizer, resolve_model_path
+    from colorl.train.checkpoint import checkpoint_dir, latest_step, load_model_weights
+    from colorl.train.policy import apply_lora
+
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ExportError(f"{run_dir}: not a run directory (no config.yaml)")
+    step = latest_step(run_dir) if step is None else step
+    if step is None or not (checkpoint_dir(run_dir, step) / "state.json").is_file():
+        raise ExportError(f"{run_dir}: no complete checkpoint" + (f" at step {step}" if step is not None else ""))
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out}: exists and is not empty")
+    try:
+        cfg = validate(yaml.safe_load(config_file.read_text()))
+    except ConfigError as exc:
+        raise ExportError(f"{config_file}: {exc}") from None
+    model_dir = resolve_model_path(cfg.model.path)
+    model = load_model(model_dir)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora)
+    load_model_weights(checkpoint_dir(run_dir, step), model)
+    if cfg.model.lora is not None:
+        model = model.merge_and_unload()
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    load_tokenizer(model_dir).save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out

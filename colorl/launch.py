@@ -1,0 +1,112 @@
+"""Spawn one worker per device and watch them: any rank failing stops all of them, quickly.
+
+Failure handling: a rank that raises writes its traceback to a file and exits 1; a rank that dies
+(killed, OOM) just exits. The parent notices within a poll interval, sends SIGTERM to the rest,
+SIGKILL after a grace period, and prints the failing rank's error as one block.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+POLL_S = 0.2
+GRACE_S = 10.0
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    exitcode: int | None
+    error: str  # traceback text, or a description of how the process died
+
+
+def _entry(rank: int, world: int, port: int, device: str, error_dir: str, target, args) -> None:
+    from colorl.distributed import init_process_group
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        init_process_group(rank, world, port, device)
+        target(rank, world, *args)
+    except BaseException as exc:  # report anything, including KeyboardInterrupt, then exit non-zero
+        Path(error_dir, f"rank{rank}.txt").write_text(
+            f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", encoding="utf-8")
+        os._exit(1)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(target, nproc: int, device: str, args: tuple) -> RankFailure | None:
+    """Run `target(rank, world, *args)` on `nproc` ranks; None on success, else the first failure."""
+    from colorl.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    error_dir = tempfile.mkdtemp(prefix="colorl-errors-")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, nproc, port, device, error_dir, target, args)) for r in range(nproc)]
+    for proc in procs:
+        proc.start()
+    interrupted_at: float | None = None
+    try:
+        while True:
+            try:
+                failure = _first_failure(procs, error_dir)
+                if failure is not None:
+                    _stop_all(procs)
+                    return failure
+                if all(p.exitcode == 0 for p in procs):
+                    return None
+                if interrupted_at is not None and time.monotonic() - interrupted_at > 120:
+                    _stop_all(procs)
+                    return RankFailure(0, None, "interrupted: ranks did not stop within 120 s and were killed")
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                if interrupted_at is not None:  # second Ctrl-C: stop now
+                    _stop_all(procs, grace_s=0)
+                    return RankFailure(0, None, "interrupted twice: ranks killed without a final checkpoint")
+                interrupted_at = time.monotonic()
+                for proc in procs:  # ranks save a checkpoint at the next step boundary and exit
+                    if proc.is_alive():
+                        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        for proc in procs:
+            proc.join(timeout=1)
+
+
+def _first_failure(procs, error_dir: str) -> RankFailure | None:
+    failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if not failed:
+        return None
+    # A rank killed by a signal is the cause; peers then fail in their collectives with reports of their own.
+    killed = [(r, p) for r, p in failed if p.exitcode < 0]
+    reported = [(r, p) for r, p in failed if Path(error_dir, f"rank{r}.txt").exists()]
+    rank, proc = (killed or reported or failed)[0]
+    path = Path(error_dir, f"rank{rank}.txt")
+    if path.exists():
+        return RankFailure(rank, proc.exitcode, path.read_text(encoding="utf-8"))
+    how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+    return RankFailure(rank, proc.exitcode, f"rank {rank} died ({how}) without reporting an error")
+
+
+def _stop_all(procs, grace_s: float = GRACE_S) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

@@ -1,0 +1,63 @@
+"""Per-step metrics: an append-only metrics.jsonl (fsync'd per line) and optional TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# Keys every metrics line carries (DESIGN.md); modes fill the ones that do not apply with 0 / null.
+METRIC_KEYS = (
+    "step", "version", "loss", "reward_mean", "response_len_mean", "response_len_max", "m_tail",
+    "staleness_mean", "staleness_max", "staleness_pred", "rollout_tokens_per_s", "train_tokens_per_s",
+    "rho", "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "is_weight_mean",
+    "is_truncated_frac", "clip_frac", "groups_dropped",
+)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = False) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        missing = [k for k in METRIC_KEYS if k not in record]
+        if missing:
+            raise KeyError(f"metrics line lacks {missing}")
+        line = json.dumps(record, sort_keys=False) + "\n"
+        with open(self.path, "a", encoding="utf-8") as handle:  # append-only: a crash loses at most this line
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """One record per step, in step order; the last line for a step wins.
+
+    The file is never rewritten: steps redone after a resume from an earlier checkpoint are
+    appended again, and a torn last line from a crash is skipped.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+

@@ -1,0 +1,4 @@
+"""Training modes by `mode` key."""
+from colorl.modes.colocated import run_colocated
+
+MODES = {"colocated": run_colocated}

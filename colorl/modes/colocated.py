@@ -1,0 +1,52 @@
+"""Colocated sync mode: the engine and the trainer take turns on the same device (DESIGN.md, 7 phases).
+
+    for each step:
+        wake engine -> rollout on version v -> sleep engine
+        onload trainer -> train (v -> v+1) -> offload trainer
+        checkpoint engine publishes v+1 into every rank's engine
+"""
+from __future__ import annotations
+
+import time
+
+from colorl.modes.step_metrics import StepTimes, step_record
+from colorl.rollout.collect import collect_groups
+from colorl.train.batch import build_batch
+
+
+def run_colocated(ctx, stop) -> None:
+    cfg, engine, trainer = ctx.cfg, ctx.engine, ctx.trainer
+    if ctx.state.step == 0 or ctx.engine.version != ctx.state.version:
+        ctx.weight_sync.sync(engine, ctx.state.version)  # engines start from the trainer's weights
+    while ctx.state.step < cfg.run.steps:
+        times = StepTimes()
+        ctx.display.phase("rollout")
+        engine.wake()
+        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+        engine.sleep(cfg.engine.sleep_level)
+        times.rollout = time.perf_counter() - times.start
+
+        ctx.display.phase("train")
+        trainer.onload()
+        batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id,
+                            drop_zero_variance=cfg.filter.zero_variance)
+        train_stats = trainer.train_step(batch)
+        trainer.offload()
+        times.train = time.perf_counter() - times.start - times.rollout
+
+        ctx.display.phase("sync")
+        sync_stats = ctx.weight_sync.sync(engine, ctx.state.version + 1)
+        times.sync = time.perf_counter() - times.start - times.rollout - times.train
+
+        ctx.state.step += 1
+        ctx.state.version += 1
+        ctx.state.data_position += cfg.rollout.batch_groups
+        ctx.log_step(step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1))
+        stopping = stop.agreed()
+        if stopping or ctx.should_save():
+            ctx.save()
+        if stopping:
+            ctx.event(f"stopped by signal after step {ctx.state.step}")
+            return

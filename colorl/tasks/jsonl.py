@@ -1,0 +1,59 @@
+"""Problems from a JSONL file of {"prompt": ..., "answer": ...}; math answer checking by default."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from colorl.tasks.base import Problem, check_options, register
+from colorl.tasks.rewards import math_reward
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; one line naming the file and line."""
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    problems = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+            raise DatasetError(f"{path}:{number}: needs fields 'prompt' and 'answer'")
+        problems.append(Problem(prompt=str(record["prompt"]), answer=str(record["answer"])))
+    if not problems:
+        raise DatasetError(f"{path}: no problems")
+    return problems
+
+
+@register("jsonl")
+class JsonlTask:
+    name = "jsonl"
+
+    def __init__(self, seed: int, options: dict, path: str, eval_path: str | None = None) -> None:
+        opts = check_options(self.name, options, {"eval_fraction": float})
+        problems = read_problems(path)
+        if eval_path:
+            self._train, self._eval = problems, read_problems(eval_path)
+        else:
+            shuffled = problems[:]
+            random.Random(f"jsonl-split-{seed}").shuffle(shuffled)
+            cut = int(len(shuffled) * opts.get("eval_fraction", 0.1))
+            self._eval, self._train = shuffled[:cut], shuffled[cut:] or shuffled
+        self._seed = seed
+
+    def train_problem(self, index: int) -> Problem:
+        epoch, offset = divmod(index, len(self._train))
+        order = list(range(len(self._train)))
+        random.Random(f"jsonl-{self._seed}-{epoch}").shuffle(order)
+        return self._train[order[offset]]
+
+    def eval_problems(self, count: int) -> list[Problem]:
+        return self._eval[:count]
+
+    def reward(self, prompt: str, completion: str, answer: str) -> float:
+        return math_reward(prompt, completion, answer)

@@ -1,0 +1,31 @@
+"""FSDP2 wrapping of a Hugging Face causal LM: one `fully_shard` per decoder block, then the root."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a HF causal LM (Llama / Qwen2 / Qwen3 all use model.model.layers)."""
+    base = getattr(model, "base_model", model)  # peft wraps the HF model once more
+    inner = base.model if hasattr(base, "model") and hasattr(base.model, "layers") else base
+    while not hasattr(inner, "layers") and hasattr(inner, "model"):
+        inner = inner.model
+    return list(inner.layers)
+
+
+def make_mesh(device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, cpu_offload: bool = False) -> torch.nn.Module:
+    """Shard in place; parameters become DTensors sharded on dim 0 across the mesh."""
+    offload = CPUOffloadPolicy() if cpu_offload else None
+    kwargs = {"mesh": mesh}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

@@ -1,0 +1,78 @@
+"""The GRPO objective colorl optimises.
+
+Departures from the GRPO paper (Shao et al. 2024), each on purpose:
+1. Decoupled PPO objective: the behaviour policy μ (the engine that sampled) is separate from the
+   proximal policy; the importance weight w = min(exp(logp_prox − logp_μ), C) is truncated at C
+   (`loss.tis_cap`) and carries no gradient (truncated IS, for engine mismatch and staleness).
+2. One optimizer step per batch, so logp_prox = logp_θ detached and the clipped ratio starts at 1;
+   clipping only bites if a later change takes several steps per batch. clip_frac is still reported.
+3. Token-mean over the whole global batch (default) instead of the per-sequence mean, which
+   under-weights long answers; `seq_mean` restores the paper's aggregation.
+4. No KL penalty by default (`loss.kl_coef` = 0).
+5. Asymmetric clip range [1 − ε_low, 1 + ε_high] (DAPO's clip-higher).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [G, S] -> advantages [G, S]: (r − mean_group) / (std_group + eps)."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not std_norm:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+
+
+@dataclass
+class LossStats:
+    """Sums over tokens (or sequences) so that micro-batches and ranks add up exactly."""
+
+    tokens: float = 0.0
+    is_weight_sum: float = 0.0
+    is_weight_max: float = 0.0
+    truncated: float = 0.0
+    clipped: float = 0.0
+    kl_mu_theta_sum: float = 0.0
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,  # [N, T] logp_θ of the sampled tokens (with grad)
+    logp_mu: torch.Tensor,  # [N, T] behaviour log-probs from the engine
+    advantages: torch.Tensor,  # [N]
+    mask: torch.Tensor,  # [N, T] 1 on response tokens
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+    logp_prox: torch.Tensor | None = None,  # [N, T]; None: one step per batch, so logp_θ detached
+) -> tuple[torch.Tensor, LossStats]:
+    """Per-token loss [N, T] (zero off the mask) and its stats; aggregation is the caller's."""
+    logp_prox = logp.detach() if logp_prox is None else logp_prox
+    weight = torch.exp(logp_prox - logp_mu).clamp(max=tis_cap)  # [N, T], stop-gradient
+    ratio = torch.exp(logp - logp_prox)  # [N, T], value 1, gradient of logp
+    adv = advantages.unsqueeze(1)  # [N, 1]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    per_token = -weight * torch.minimum(unclipped, clipped) * mask
+    with torch.no_grad():
+        raw_weight = torch.exp(logp_prox - logp_mu)
+        m = mask.bool()
+        stats = LossStats(
+            tokens=float(mask.sum()),
+            is_weight_sum=float(weight[m].sum()),
+            is_weight_max=float(raw_weight[m].max()) if m.any() else 0.0,
+            truncated=float((raw_weight[m] > tis_cap).sum()),
+            clipped=float((clipped < unclipped)[m].sum()),  # the clip is active: no gradient there
+            kl_mu_theta_sum=float((logp_mu - logp_prox)[m].sum()),
+        )
+    return per_token, stats
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:
+    """Sum this micro-batch's share of the global mean (token-mean or sequence-mean)."""
+    if mode == "token_mean":
+        return per_token.sum() / total_tokens
+    seq_lens = mask.sum(dim=1).clamp(min=1)
+    return (per_token.sum(dim=1) / seq_lens).sum() / total_seqs

@@ -1,0 +1,187 @@
+"""One rank of a run: builds the engine, the trainer, the task and the run directory, then runs the mode.
+
+Everything a mode needs is gathered in `RankContext`, so a mode's loop reads as the algorithm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from colorl.config import Config, dump_config, resolve_reward
+from colorl.engines import build_engine
+from colorl.engines.base import Engine
+from colorl.metrics.display import Display
+from colorl.metrics.logger import MetricsWriter, read_metrics
+from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+from colorl.tasks import Task, build_task
+from colorl.tasks.rewards import RewardCounters, SandboxedReward
+from colorl.train.checkpoint import TrainerState, latest_step, load_checkpoint, save_checkpoint
+from colorl.train.policy import PolicyTrainer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RankContext:
+    cfg: Config
+    rank: int
+    world: int
+    device: str
+    run_dir: Path
+    tokenizer: object
+    task: Task
+    reward_fn: object
+    reward_counters: RewardCounters
+    engine: Engine
+    trainer: PolicyTrainer
+    weight_sync: object
+    state: TrainerState
+    metrics: MetricsWriter | None
+    display: Display
+    stop_ids: tuple[int, ...]
+    history: list[dict] = field(default_factory=list)
+    _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def groups_per_rank(self) -> int:
+        return self.cfg.rollout.batch_groups // self.world
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if prompt not in self._prompt_cache:
+            self._prompt_cache[prompt] = encode_chat(self.tokenizer, prompt, self.cfg.model.system_prompt)
+        return self._prompt_cache[prompt]
+
+    def problem_indices(self) -> range:
+        """This rank's slice of the step's problems in the task's one seeded stream."""
+        start = self.state.data_position + self.rank * self.groups_per_rank
+        return range(start, start + self.groups_per_rank)
+
+    def sample_seed(self) -> int:
+        """Sampling seeds depend only on (run seed, step, rank), so a resumed run redraws the same samples."""
+        return (self.cfg.run.seed * 1_000_003 + self.state.step) * 1_009 + self.rank
+
+    def should_save(self) -> bool:
+        every, step = self.cfg.run.save_every, self.state.step
+        return step == self.cfg.run.steps or (every > 0 and step % every == 0)
+
+    def log_step(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        self.metrics.write(record)
+        self.history.append(record)
+        self.display.step_done(record)
+
+    def predicted_staleness(self, rho: float, m_tail: float) -> float:
+        """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""
+        if self.cfg.mode == "colocated":
+            return 0.0
+        from colorl.staleness.live import predicted_staleness
+
+        return predicted_staleness(self.cfg, rho, m_tail)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def event(self, text: str, all_ranks: bool = False) -> None:
+        if self.rank == 0 or all_ranks:
+            with open(self.run_dir / "events.log", "a", encoding="utf-8") as handle:
+                handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {text}\n")
+
+    def save(self) -> None:
+        path = save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer, self.state)
+        self.event(f"checkpoint step={self.state.step} path={path}")
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM set a flag; ranks agree on it at step boundaries, then save and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
+    """Rank 0 only. A fresh run never overwrites an existing one; config.yaml is written atomically."""
+    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+    if has_run and not resume:
+        raise FileExistsError(f"run directory {run_dir} already holds a run; pass --resume or choose another run.name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(time.time())}.yaml"
+    tmp = run_dir / f".{name}.tmp"
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / name)
+
+
+def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
+    torch.manual_seed(cfg.run.seed + rank)
+    model_dir = resolve_model_path(cfg.model.path) if rank == 0 else None
+    dist.barrier()  # rank 0 builds cached aliases once; the others wait and then read the same folder
+    model_dir = resolve_model_path(cfg.model.path)
+    dtype = DTYPES[cfg.model.dtype]
+    tokenizer = load_tokenizer(model_dir)
+    task = build_task(cfg.task, cfg.run.seed)
+    counters = RewardCounters()
+    if cfg.task.reward:
+        reward_fn = SandboxedReward(cfg.task.reward, cfg.task.reward_timeout_s, counters)
+    else:
+        reward_fn = task.reward
+    trainer = PolicyTrainer(model_dir, cfg, device, dtype)
+    engine = build_engine(cfg.rollout.engine, model_dir, cfg.engine, device, dtype)
+    from colorl.sync.checkpoint_engine import CheckpointEngine
+
+    weight_sync = CheckpointEngine(trainer.model, engine, cfg.sync, cfg.model.lora)
+    state = TrainerState()
+    step = latest_step(run_dir) if resume else None
+    if step is not None:
+        state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
+    stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
+    metrics = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
+    display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine}", enabled=rank == 0)
+    ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
+                      weight_sync, state, metrics, display, stop_ids)
+    if rank == 0:
+        ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
+    ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
+              f"resume={resume}", all_ranks=True)
+    return ctx
+
+
+def _eos_ids(tokenizer, model_dir: Path) -> list[int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return ids + [tokenizer.eos_token_id]
+
+
+def run_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bool, device: str) -> None:
+    """Entry point of a worker process (the process group is already initialised)."""
+    from colorl.config import validate
+    from colorl.modes import MODES
+
+    cfg = validate(cfg_dict)
+    stop = StopRequest()
+    ctx = build_context(cfg, rank, world, device, Path(run_dir), resume)
+    try:
+        MODES[cfg.mode](ctx, stop)
+    finally:
+        ctx.display.close(ctx.history)
+        if ctx.metrics is not None:
+            ctx.metrics.close()
+        if isinstance(ctx.reward_fn, SandboxedReward):
+            ctx.reward_fn.close()

@@ -1,0 +1,119 @@
+"""Every rejection is one line naming the key, the value and what is allowed; exit code 2; no traceback."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from colorl.cli import main
+
+CASES = [
+    # (override, words the one-line message must contain)
+    (["rollout.group_size=1"], ["rollout.group_size", "1", ">= 2"]),
+    (["rollout.enigne=hf"], ["rollout.enigne", "did you mean", "rollout.engine"]),
+    (["trian.lr=1e-5"], ["trian", "did you mean", "train"]),
+    (["rollout.engine=vllm"], ["rollout.engine", "vllm", "native", "hf", "sglang"]),
+    (["task.name=chess"], ["task.name", "chess", "arithmetic"]),
+    (["mode=sideways"], ["mode", "sideways", "colocated"]),
+    (["staleness.max=-1"], ["staleness.max", "-1", ">= 0"]),
+    (["train.lr=fast"], ["train.lr", "fast", "number"]),
+    (["rollout.temperature=0"], ["rollout.temperature", "> 0"]),
+    (["rollout.top_p=1.5"], ["rollout.top_p", "<= 1"]),
+    (["launch.nproc=3"], ["rollout.batch_groups=4", "launch.nproc=3", "divisible"]),
+    (["task.name=jsonl"], ["task.path", "required"]),
+    (["model.path=/no/such/model"], ["model.path", "/no/such/model"]),
+    (["task.reward=no_such_module_xyz:score"], ["task.reward", "no_such_module_xyz", "cannot import"]),
+    (["task.reward=json:no_such_function"], ["task.reward", "no_such_function"]),
+    (["task.reward=nocolon"], ["task.reward", "module:function"]),
+    (["task.path=/no/such.jsonl", "task.name=jsonl"], ["task.path", "not found"]),
+    (["task.options={digits: 9}"], ["task.options.digits", "9"]),
+    (["task.options={colour: red}"], ["task.options.colour", "unknown"]),
+    (["rollout"], ["key=value"]),
+    (["run.steps.x=1"], ["run.steps", "not a section"]),
+    (["rollout.engine=sglang", "launch.device=cpu"], ["sglang", "CUDA"]),
+]
+
+
+def run_cli(capsys, argv):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("overrides, words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_rejections_are_one_line_with_exit_2(capsys, overrides, words):
+    argv = ["train", "configs/tiny.yaml", "--dry-run"]
+    for item in overrides:
+        argv += ["--set", item]
+    code, out, err = run_cli(capsys, argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_missing_file(capsys):
+    code, _, err = run_cli(capsys, ["train", "no/such/config.yaml"])
+    assert code == 2 and "config file not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unreadable_yaml(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {name: x\nmodel: [")
+    code, _, err = run_cli(capsys, ["train", str(bad)])
+    assert code == 2 and "not valid YAML" in err and len(err.strip().splitlines()) == 1
+
+
+def test_top_level_not_a_mapping(capsys, tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    code, _, err = run_cli(capsys, ["train", str(bad)])
+    assert code == 2 and "mapping" in err
+
+
+def test_dry_run_prints_resolved_config_and_whole_sections(capsys):
+    code, out, _ = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set",
+                                    "rollout.length_override={mean: 64, tailness: 90, cap: 512}",
+                                    "--set", "train.lr=3e-4"])
+    assert code == 0
+    assert "tailness: 90" in out and "lr: 0.0003" in out
+
+
+def test_every_shipped_config_validates(capsys):
+    import glob
+
+    for path in sorted(glob.glob("configs/*.yaml")):
+        code, _, err = run_cli(capsys, ["train", path, "--dry-run"])
+        assert code == 0, (path, err)
+
+
+def test_resume_without_checkpoint_is_refused(capsys, tmp_path):
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"), "--resume"])
+    assert code == 2 and "no complete checkpoint" in err
+
+
+def test_existing_run_is_never_overwritten(capsys, tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--run-dir", str(run)])
+    assert code == 2 and "already holds a run" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_user_reward_module_loads(tmp_path, monkeypatch):
+    from colorl.config import load_config
+
+    (tmp_path / "my_reward.py").write_text(textwrap.dedent("""
+        def score(prompt, completion, answer):
+            return 1.0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config("configs/tiny.yaml", ["task.reward=my_reward:score"])
+    assert cfg.task.reward == "my_reward:score"
+
+
+def test_bad_cli_flag_exits_2(capsys):
+    assert main(["train", "configs/tiny.yaml", "--no-such-flag"]) == 2
