@@ -12,6 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 
+from colorl.staleness.commands import add_predict_parser, add_simulate_parser
+
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
 
@@ -120,13 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, help="default: the latest checkpoint")
     export.set_defaults(func=cmd_export)
 
-    try:
-        from colorl.staleness.commands import add_predict_parser, add_simulate_parser
-    except ImportError:
-        pass
-    else:
-        add_predict_parser(sub)
-        add_simulate_parser(sub)
+    add_predict_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 
@@ -142,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return fail("interrupted", 130)
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from colorl.engines.base import Engine
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
 from colorl.train.checkpoint import TrainerState, latest_step, load_checkpoint, save_checkpoint
@@ -80,11 +81,7 @@ class RankContext:
 
     def predicted_staleness(self, rho: float, m_tail: float) -> float:
         """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""
-        if self.cfg.mode == "colocated":
-            return 0.0
-        from colorl.staleness.live import predicted_staleness
-
-        return predicted_staleness(self.cfg, rho, m_tail)
+        return predicted_staleness_for(self.cfg, rho, m_tail)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,70 @@
+"""Failures end the whole group quickly with a readable error; Ctrl-C saves and exits cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HELPERS = str(Path(__file__).parent / "helpers")
+SETS = ["rollout.engine=hf", "task.reward=reward_fns:digit_fraction", "rollout.batch_groups=2",
+        "rollout.max_new_tokens=8", "run.steps=200", "run.save_every=0"]
+
+
+def _start(run_dir: Path, nproc: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "colorl.cli", "train", "configs/tiny.yaml", "--nproc", str(nproc),
+            "--run-dir", str(run_dir)]
+    for item in SETS:
+        args += ["--set", item]
+    env = dict(os.environ, PYTHONPATH=HELPERS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early: {proc.communicate()}")
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("run made no progress")
+
+
+def _rank_pids(run_dir: Path) -> dict[int, int]:
+    found = re.findall(r"rank (\d+) pid (\d+)", (run_dir / "events.log").read_text())
+    return {int(r): int(p) for r, p in found}
+
+
+def test_killed_rank_stops_the_group_with_a_clear_error(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, nproc=2)
+    _wait_for_step(run, proc, 1)
+    os.kill(_rank_pids(run)[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode == 1
+    assert "rank 1 died (killed by SIGKILL)" in err
+    assert "run failed on rank 1" in err
+    assert all(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, nproc=1)
+    _wait_for_step(run, proc, 1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    saved = [p.name for p in (run / "checkpoints").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("step_") and not saved[0].endswith(".partial")
+    assert "stopped by signal" in (run / "events.log").read_text()
