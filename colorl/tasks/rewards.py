@@ -6,6 +6,7 @@ gives reward 0 and is counted, and never stops the run.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import re
 from dataclasses import dataclass, field
@@ -85,8 +86,14 @@ def _reward_worker(spec: str, inbox, outbox) -> None:
         outbox.put(("error", str(exc)))
         return
     outbox.put(("ready", 0.0))
+    parent = os.getppid()
     while True:
-        item = inbox.get()
+        try:
+            item = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the rank died: do not linger holding its stdout
+                return
+            continue
         if item is None:
             return
         try:
