@@ -17,6 +17,7 @@ import torch.distributed as dist
 from colorl.config import Config, dump_config, resolve_reward
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
+from colorl.evaluate import evaluate
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.models import encode_chat, load_tokenizer, resolve_model_path
@@ -82,6 +83,20 @@ class RankContext:
     def predicted_staleness(self, rho: float, m_tail: float) -> float:
         """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""
         return predicted_staleness_for(self.cfg, rho, m_tail)
+
+    def maybe_evaluate(self) -> float | None:
+        """Held-out greedy accuracy every `run.eval_every` steps (each rank takes a slice), else None."""
+        every = self.cfg.run.eval_every
+        if not every or self.state.step % every:
+            return None
+        problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
+        self.engine.wake()
+        result = evaluate(self.engine, problems, self.reward_fn, self.tokenizer, self.cfg.rollout.max_new_tokens,
+                          system_prompt=self.cfg.model.system_prompt, stop_ids=self.stop_ids)
+        self.engine.sleep(self.cfg.engine.sleep_level)
+        totals = torch.tensor([result.accuracy * result.problems, float(result.problems)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return float(totals[0] / totals[1]) if totals[1] else None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -13,7 +13,7 @@ _SHOWN = (
     ("resp len", "response_len_mean", "{:.1f}"), ("staleness", "staleness_mean", "{:.2f}"),
     ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"), ("train tok/s", "train_tokens_per_s", "{:.0f}"),
     ("rollout s", "time_rollout_s", "{:.1f}"), ("train s", "time_train_s", "{:.1f}"),
-    ("sync s", "time_sync_s", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
+    ("sync s", "time_sync_s", "{:.2f}"), ("loss", "loss", "{:+.4f}"), ("eval acc", "eval_accuracy", "{:.1%}"),
 )
 
 

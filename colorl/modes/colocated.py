@@ -43,7 +43,8 @@ def run_colocated(ctx, stop) -> None:
         ctx.state.step += 1
         ctx.state.version += 1
         ctx.state.data_position += cfg.rollout.batch_groups
-        ctx.log_step(step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1))
+        record = step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1)
+        ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate()})
         stopping = stop.agreed()
         if stopping or ctx.should_save():
             ctx.save()
