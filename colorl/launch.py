@@ -11,6 +11,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def _entry(rank: int, world: int, port: int, device: str, error_dir: str, target
     from colorl.distributed import init_process_group
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not for users
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
