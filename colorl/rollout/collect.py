@@ -5,28 +5,13 @@ decoding the others.
 """
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass
 from typing import Callable
 
 from colorl.engines.base import Engine, GenerationRequest, SamplingParams
 from colorl.rollout.types import Group
+from colorl.staleness.formula import LengthModel
 from colorl.tasks.base import Problem
-
-
-@dataclass(frozen=True)
-class LengthModel:
-    """`rollout.length_override`: capped lognormal lengths with σ = 1.3·tailness/100, EOS ignored."""
-
-    mean: float
-    tailness: float
-    cap: int
-
-    def draw(self, rng: random.Random) -> int:
-        sigma = 1.3 * self.tailness / 100
-        mu = math.log(self.mean) - sigma * sigma / 2  # so that the uncapped mean is `mean`
-        return max(1, min(self.cap, int(round(rng.lognormvariate(mu, sigma)))))
 
 
 def sampling_params(rollout_cfg, seed: int, length: LengthModel | None, rng: random.Random,
@@ -36,7 +21,8 @@ def sampling_params(rollout_cfg, seed: int, length: LengthModel | None, rng: ran
         max_new = length.draw(rng)
     return SamplingParams(
         temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-        max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=length is not None, seed=seed,
+        max_new_tokens=max_new, stop_token_ids=() if length is not None else stop_ids,
+        ignore_eos=length is not None, seed=seed,
     )
 
 
@@ -45,6 +31,7 @@ def collect_groups(engine: Engine, problems: list[Problem], prompt_ids: list[lis
                    stop_ids: tuple[int, ...] = ()) -> list[Group]:
     """Generate S samples per problem and reward each group as soon as its last sample finishes."""
     size = rollout_cfg.group_size
+    # `rollout.length_override`: the simulator's length model, EOS ignored, so real runs match it
     length = LengthModel(**rollout_cfg.length_override.model_dump()) if rollout_cfg.length_override else None
     rng = random.Random(base_seed)
     pending: dict[int, dict[int, object]] = {}
