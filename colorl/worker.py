@@ -142,8 +142,9 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
 
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
     torch.manual_seed(cfg.run.seed + rank)
-    model_dir = resolve_model_path(cfg.model.path) if rank == 0 else None
-    dist.barrier()  # rank 0 builds cached aliases once; the others wait and then read the same folder
+    if rank == 0:
+        resolve_model_path(cfg.model.path)  # builds a cached alias once, before the others read it
+    dist.barrier()
     model_dir = resolve_model_path(cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
     tokenizer = load_tokenizer(model_dir)
