@@ -3,7 +3,8 @@
 It is what most GRPO scripts do, kept as the reference the native engine is measured against.
 Deviations from a serving engine, on purpose: one `step()` runs a whole batch to completion, so
 `interrupt` only ever returns requests that had not started; per-request seeds are not
-independent (the batch is sampled from one generator seeded by its first request).
+independent (the batch is sampled from one generator seeded by its first request), and a batch
+decodes until its longest request is done.
 """
 from __future__ import annotations
 
@@ -54,11 +55,11 @@ class HFEngine(Engine):
         """Generate the next batch: the waiting requests that share the first one's sampling params."""
         if not self._waiting:
             return []
-        params = replace(self._waiting[0].params, max_new_tokens=0)
+        params = _batch_key(self._waiting[0].params)
         batch: list[GenerationRequest] = []
         rest: deque[GenerationRequest] = deque()
         for request in self._waiting:
-            same = replace(request.params, max_new_tokens=0) == params
+            same = _batch_key(request.params) == params
             (batch if same and len(batch) < self.max_batch else rest).append(request)
         self._waiting = rest
         started = time.perf_counter()
@@ -79,8 +80,7 @@ class HFEngine(Engine):
             attention[i, width - len(ctx):] = 1
         budget = [r.params.max_new_tokens - len(r.output_ids) for r in batch]
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else _as_list(self.eos_id))
-        generator_seed = params.seed if params.seed is not None else batch[0].request_id.__hash__() & 0xFFFF
-        torch.manual_seed(generator_seed)
+        torch.manual_seed(batch[0].params.seed if batch[0].params.seed is not None else 0)
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
             do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
@@ -88,10 +88,14 @@ class HFEngine(Engine):
             min_new_tokens=max(budget) if params.ignore_eos and not params.stop_token_ids else None,
             output_scores=True, return_dict_in_generate=True,
         )
-        new_tokens = out.sequences[:, width:].cpu()  # [N, T]
-        # scores are the processed logits actually sampled from (temperature, top-k, top-p applied)
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], 1).cpu()  # [N, T, V]
-        token_logp = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [N, T]
+        new_tokens = out.sequences[:, width:]  # [N, T]
+        # scores are the processed logits actually sampled from (temperature, top-k, top-p applied);
+        # one step at a time, so no [N, T, V] tensor is ever built
+        token_logp = torch.stack([
+            torch.log_softmax(step_scores.float(), dim=-1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
+            for t, step_scores in enumerate(out.scores)
+        ], 1).cpu()  # [N, T]
+        new_tokens = new_tokens.cpu()
         results = []
         for i, request in enumerate(batch):
             ids, reason = [], "length"
@@ -122,6 +126,11 @@ class HFEngine(Engine):
         rate = self._tokens / self._seconds if self._seconds else 0.0
         return EngineStats(running=0, waiting=len(self._waiting), finished=self._finished,
                            kv_blocks_used=0, kv_blocks_total=0, decode_tokens_per_s=rate)
+
+
+def _batch_key(params: SamplingParams) -> SamplingParams:
+    """Requests that may share one `generate` call: same params but for length and seed."""
+    return replace(params, max_new_tokens=0, seed=None)
 
 
 def _as_list(value) -> list[int]:

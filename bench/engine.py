@@ -1,0 +1,277 @@
+"""Native engine vs the hf backend on SmolLM2-135M (issue 3): rollout tokens/s, memory, decode floor.
+
+    python bench/engine.py                  # both workloads, both engines, decode floor (~5 min)
+    python bench/engine.py --quick          # 4 prompts x 2 samples, mean 32: a smoke run
+
+Workloads (8 prompts x 4 samples, temperature 1, top-p 1, a GRPO rollout batch):
+- long_tail: `ignore_eos`, each request's max_new_tokens drawn from the capped lognormal of
+  `rollout.length_override` (mean 64, tailness 90, cap 512; seeded, same lengths for both engines);
+- natural: stop at EOS, max_new_tokens 256.
+Each engine runs in its own process (clean peak RSS), one thread by default (the machine is shared),
+after a short warm-up. tokens/s counts only returned tokens (the hf backend pads every batch to
+its longest request; the padding is not counted).
+
+Decode floor: a decode step must read every weight once, plus the KV of every running sequence,
+so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth measured here
+(a sum over a 512 MiB tensor, same thread count). The ratio step / floor says how far the native
+decode step is from memory-bound ideal at batch 1, 8 and 32.
+
+Results: bench/results/engine.json; summary in bench/README.md ("Native engine (issue 3)").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+QUESTIONS = [
+    "What is 17 + 25? Explain step by step.",
+    "Name three primary colors and describe each one.",
+    "Write a short poem about the sea.",
+    "What is the capital of France, and why is it famous?",
+    "Explain what a prime number is, with examples.",
+    "Give me a recipe for a simple salad.",
+    "Why is the sky blue?",
+    "Describe your ideal weekend in a few sentences.",
+]
+
+
+def lengths_for(n: int, mean: float, tailness: float, cap: int, seed: int) -> list[int]:
+    from colorl.staleness.formula import LengthModel
+
+    model, rng = LengthModel(mean=mean, tailness=tailness, cap=cap), random.Random(seed)
+    return [model.draw(rng) for _ in range(n)]
+
+
+def build_requests(args, engine_name: str, model_dir: Path):
+    from colorl.engines.base import GenerationRequest, SamplingParams
+    from colorl.models import encode_chat, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [encode_chat(tokenizer, q) for q in QUESTIONS[:args.prompts]]
+    n = args.prompts * args.samples
+    budgets = lengths_for(n, args.mean, args.tailness, args.cap, args.seed) if args.workload == "long_tail" else [args.natural_max] * n
+    requests = []
+    for i in range(n):
+        # The hf backend batches only requests with equal params, and seeds a batch from one
+        # generator, so it gets no per-request seed; the native engine gets one per request.
+        seed = None if engine_name == "hf" else args.seed * 1000 + i
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=budgets[i],
+                                ignore_eos=args.workload == "long_tail", seed=seed)
+        requests.append(GenerationRequest(f"p{i // args.samples}s{i % args.samples}", prompts[i // args.samples], params))
+    return requests, budgets
+
+
+def make_engine(name: str, model_dir: Path, dtype: torch.dtype):
+    from colorl.config import EngineConfig
+    from colorl.engines import build_engine
+
+    return build_engine(name, model_dir, EngineConfig(), "cpu", dtype)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM), so the rollout's own peak can be read."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker_rollout(args) -> dict:
+    from colorl.engines.base import GenerationRequest, SamplingParams
+    from colorl.models import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    engine = make_engine(args.engine, model_dir, dtype)
+    warm = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    engine.generate([GenerationRequest(f"warm{i}", [1, 2, 3, 4, 5], warm) for i in range(2)])
+    rss_loaded = rss_bytes()
+    load_peak = peak_rss_bytes()
+    can_reset = reset_peak_rss()
+    requests, budgets = build_requests(args, args.engine, model_dir)
+    started = time.perf_counter()
+    results = engine.generate(requests)
+    seconds = time.perf_counter() - started
+    lengths = [len(r.output_ids) for r in results]
+    out = {
+        "engine": args.engine, "workload": args.workload, "seconds": seconds, "generated_tokens": sum(lengths),
+        "tokens_per_s": sum(lengths) / seconds, "mean_length": sum(lengths) / len(lengths), "max_length": max(lengths),
+        "rss_after_load_gb": rss_loaded / 1e9,
+        "peak_rss_load_gb": load_peak / 1e9,  # includes the mmapped checkpoint while loading
+        "peak_rss_rollout_gb": peak_rss_bytes() / 1e9 if can_reset else None,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "finish_reasons": {r: sum(1 for x in results if x.finish_reason == r) for r in {x.finish_reason for x in results}},
+    }
+    if args.engine == "native":
+        stats = engine.stats()
+        from colorl.engines.native.model_runner import kv_bytes_per_block
+
+        touched = engine.blocks.num_touched_blocks
+        out.update(prefix_hit_tokens=engine.scheduler.num_prefix_hit_tokens, preemptions=engine.scheduler.num_preemptions,
+                   computed_tokens=engine.num_computed_tokens, kv_blocks_total=stats.kv_blocks_total,
+                   kv_blocks_touched=touched, kv_touched_gb=touched * kv_bytes_per_block(engine.spec, engine.blocks.block_size, dtype) / 1e9)
+    if args.workload == "long_tail":
+        assert lengths == budgets, "long-tail workload: every request must produce exactly its drawn length"
+    return out
+
+
+def measure_bandwidth(threads: int) -> float:
+    """Read bandwidth (bytes/s) of a sum over a 512 MiB tensor; best of 5."""
+    data = torch.randn(128 * 2**20)  # 512 MiB, pages touched
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * data.element_size() / best
+
+
+def worker_floor(args) -> dict:
+    """Native decode-step time at batch 1, 8, 32 against (weights + KV bytes) / bandwidth."""
+    from colorl.engines.base import GenerationRequest, SamplingParams
+    from colorl.engines.native.model_runner import kv_bytes_per_block
+    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    engine = make_engine("native", model_dir, dtype)
+    tokenizer = load_tokenizer(model_dir)
+    prompt = encode_chat(tokenizer, QUESTIONS[0])
+    bandwidth = measure_bandwidth(args.threads)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    spec = engine.spec
+    kv_per_token = kv_bytes_per_block(spec, 1, dtype)
+    rows = []
+    for batch in (1, 8, 32):
+        params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+        for i in range(batch):
+            engine.add(GenerationRequest(f"f{batch}-{i}", prompt, params))
+        engine.step()  # prefill
+        times = []
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        times = sorted(times[5:])
+        step = times[len(times) // 2]
+        context = len(prompt) + 20  # median context during the timed steps
+        floor = (weight_bytes + batch * context * kv_per_token) / bandwidth
+        rows.append({"batch": batch, "step_ms": step * 1e3, "floor_ms": floor * 1e3, "step_over_floor": step / floor,
+                     "tokens_per_s": batch / step})
+    return {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes, "decode": rows}
+
+
+def run_worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    result = worker_floor(args) if args.worker == "floor" else worker_rollout(args)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(args, worker: str, **extra) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--threads", str(args.threads),
+           "--model", args.model, "--dtype", args.dtype, "--prompts", str(args.prompts), "--samples", str(args.samples),
+           "--mean", str(args.mean), "--tailness", str(args.tailness), "--cap", str(args.cap),
+           "--natural-max", str(args.natural_max), "--seed", str(args.seed)]
+    for key, value in extra.items():
+        cmd += [f"--{key}", str(value)]
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{worker} {extra} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--mean", type=float, default=64)
+    parser.add_argument("--tailness", type=float, default=90)
+    parser.add_argument("--cap", type=int, default=512)
+    parser.add_argument("--natural-max", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default="native,hf")
+    parser.add_argument("--workloads", default="long_tail,natural")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results" / "engine.json"))
+    parser.add_argument("--worker", choices=["native", "hf", "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        if args.worker != "floor":
+            args.engine = args.worker
+        run_worker(args)
+        return
+    if args.quick:
+        args.prompts, args.samples, args.mean, args.natural_max = 4, 2, 32, 64
+    engines = args.engines.split(",")
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+                    "torch": torch.__version__, "load_avg_at_start": os.getloadavg()},
+        "model": args.model, "dtype": args.dtype, "prompts": args.prompts, "samples": args.samples,
+        "length_model": {"mean": args.mean, "tailness": args.tailness, "cap": args.cap, "seed": args.seed},
+        "workloads": {},
+    }
+    for workload in args.workloads.split(","):
+        entry: dict = {}
+        if workload == "long_tail":
+            entry["lengths"] = lengths_for(args.prompts * args.samples, args.mean, args.tailness, args.cap, args.seed)
+        for name in engines:
+            entry[name] = spawn(args, name, workload=workload)
+            print(f"{workload:9s} {name:6s} {entry[name]['tokens_per_s']:8.1f} tok/s  "
+                  f"{entry[name]['generated_tokens']} tokens in {entry[name]['seconds']:.1f} s  "
+                  f"rollout peak RSS {entry[name]['peak_rss_rollout_gb'] or entry[name]['peak_rss_gb']:.2f} GB", flush=True)
+        if "native" in entry and "hf" in entry:
+            entry["native_over_hf"] = entry["native"]["tokens_per_s"] / entry["hf"]["tokens_per_s"]
+            print(f"{workload:9s} native / hf = {entry['native_over_hf']:.2f}x", flush=True)
+        report["workloads"][workload] = entry
+    if "native" in engines:
+        report["decode_floor"] = spawn(args, "floor")
+        floor = report["decode_floor"]
+        print(f"bandwidth {floor['bandwidth_gb_s']:.1f} GB/s, weights {floor['weight_bytes'] / 1e6:.0f} MB")
+        for row in floor["decode"]:
+            print(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step, floor {row['floor_ms']:5.1f} ms "
+                  f"({row['step_over_floor']:.1f}x), {row['tokens_per_s']:.0f} tok/s")
+    report["machine"]["load_avg_at_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.rename(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

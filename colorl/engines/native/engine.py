@@ -1,0 +1,252 @@
+"""The native engine: scheduler -> model runner -> sampler, one step at a time.
+
+`step()` is the whole loop: schedule (continuous batching, chunked prefill, preemption), run
+the model once over every scheduled token, sample, post-process (append, stop, free blocks).
+Around it sit the RL controls the trainer needs and a serving engine usually hides:
+- every output token carries its behaviour log-prob (sampler.py says exactly which
+  distribution) and the policy version that produced it;
+- `abort`, `interrupt` (partial results back), resume by re-adding a request with its generated
+  tokens (re-prefill, "recompute") or, with `interrupt(..., keep_kv=True)`, on its kept KV;
+- `update_weights` / `load_weights` in place at a step boundary; `version` stamps later tokens.
+  Running sequences keep their KV across an update (PipelineRL style); the prefix cache is
+  dropped so no *new* request reuses KV computed by older weights;
+- `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`),
+  `sleep(2)` also moves the weights to host memory (on CPU they already live there).
+
+Resumed requests: `params.max_new_tokens` bounds the whole output, carried tokens included, and
+the sampling stream continues at the carried length (same seed -> same continuation).
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.engines.native.block_manager import BlockManager
+from colorl.engines.native.model import CausalLM, read_hf_folder
+from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
+from colorl.engines.native.sampler import Sampler, SampleRow
+from colorl.engines.native.scheduler import Scheduler, Sequence
+
+RATE_WINDOW_STEPS = 64  # decode tokens/s is measured over the last this many steps
+
+
+class NativeEngine(Engine):
+    def __init__(self, model_dir: Path | str | None, engine_cfg, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, model=None) -> None:
+        """model: optional weight source instead of the folder's files: a native `CausalLM`, any
+        torch module with HF parameter names (e.g. the trainer's), or a name -> tensor mapping.
+        The folder still provides config.json (unless model has a `.config`)."""
+        self.device = torch.device(device)
+        self.dtype = dtype
+        config = getattr(model, "config", None) if model_dir is None else _load_config(Path(model_dir))
+        if isinstance(model, CausalLM):
+            self.model = model.to(self.device)
+        else:
+            if config is None:
+                raise ValueError("NativeEngine needs model_dir (or a model with a .config)")
+            self.model = _build_model(config, self.device, dtype)
+            if model is None:
+                source = read_hf_folder(model_dir)
+            elif hasattr(model, "state_dict"):
+                source = model.state_dict().items()
+            else:
+                source = model.items()
+            self.model.load_hf_weights(source)
+        self.model.eval()
+        self.spec = self.model.spec
+        self.eos_ids = _eos_ids(config, None if model_dir is None else Path(model_dir))
+
+        num_blocks = kv_pool_blocks(engine_cfg, self.spec, self.device, dtype)
+        self.blocks = BlockManager(num_blocks, engine_cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, engine_cfg.block_size, self.device, dtype)
+        self.runner.allocate_kv()
+        self.sampler = Sampler()
+        self._version = 0
+        self._sleep_level = 0
+        self._finished_count = 0
+        self._pending: list[GenerationResult] = []  # decided without a model step (e.g. added complete)
+        self._rate: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW_STEPS)
+        self._seeds = random.Random()
+        self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------ version
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if value != self._version:
+            self.blocks.reset_prefix_cache()  # new weights: cached prefixes are stale
+        self._version = value
+
+    # ------------------------------------------------------------ requests
+    def add(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        if self.scheduler.find(rid) is not None and rid not in self.scheduler.parked:
+            raise ValueError(f"request {rid!r} is already in the engine")
+        n_out = len(request.output_ids)
+        if len(request.output_logprobs) != n_out or len(request.output_versions) != n_out:
+            raise ValueError(f"request {rid!r}: output_ids, output_logprobs and output_versions differ in length")
+        if not request.prompt_ids:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        params = request.params
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise ValueError(f"request {rid!r}: bad sampling params {params}")
+        tokens = list(request.prompt_ids) + list(request.output_ids)
+        seq = self.scheduler.resume_parked(rid, tokens)  # parked with its KV: continue on it
+        resumed = seq is not None
+        if seq is None:
+            seq = Sequence(
+                request_id=rid, token_ids=tokens, num_prompt_tokens=len(request.prompt_ids), params=params,
+                seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            )
+        seq.params = params
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq.logprobs = list(request.output_logprobs)
+        seq.versions = list(request.output_versions)
+        reason = Scheduler.stop_reason(seq)
+        if reason is not None:  # nothing left to generate
+            if resumed:
+                self.scheduler.remove(rid)
+            seq.finish_reason = reason
+            self._pending.append(self._result(seq, reason))
+        elif not resumed:
+            self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[GenerationResult]:
+        if self._sleep_level:
+            raise RuntimeError("engine is asleep: call wake() before step()")
+        results, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        sampled: dict[int, tuple[int, float]] = {}
+        if batch.seqs:
+            started = time.perf_counter()
+            logits, rows = self.runner.run(batch)  # [N, V], batch index of each row
+            tokens, logps = self.sampler(logits, [self._sample_row(batch.seqs[i]) for i in rows])
+            sampled = dict(zip(rows, zip(tokens, logps)))
+            self.num_computed_tokens += sum(batch.num_tokens)
+            self.num_generated_tokens += len(sampled)
+            self._rate.append((len(sampled), time.perf_counter() - started))
+        elif not results and not batch.truncated and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+        for seq in self.scheduler.postprocess(batch, sampled, self.version):
+            results.append(self._result(seq, seq.finish_reason))
+        self._finished_count += len(results)
+        return results
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = set(request_ids)
+        self._pending = [r for r in self._pending if r.request_id not in ids]
+        for rid in ids:
+            self.scheduler.remove(rid)
+
+    def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[GenerationResult]:
+        """Stop the requests; return what each generated so far (finish_reason 'interrupt').
+
+        keep_kv: park their KV blocks so that re-adding the same request (same tokens) resumes
+        without re-prefill, even across a weight update. Parked KV is released by `abort`, by
+        `sleep`, or when the pool needs it (the resume then re-prefills).
+        """
+        ids = list(request_ids)
+        done = {r.request_id: r for r in self._pending if r.request_id in ids}
+        self._pending = [r for r in self._pending if r.request_id not in done]
+        results = []
+        for rid in ids:
+            if rid in done:
+                results.append(done[rid])
+                continue
+            seq = self.scheduler.remove(rid, keep_kv=keep_kv)
+            if seq is not None:
+                results.append(self._result(seq, "interrupt"))
+        return results
+
+    # ------------------------------------------------------------ weights and memory
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        return self.model.hf_weights()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_hf_weights(named_tensors, strict=False)
+        self.blocks.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.scheduler.drop_all_kv()
+        self.runner.free_kv()
+        if level >= 2 and self.device.type != "cpu":
+            _move_parameters(self.model, torch.device("cpu"))
+        self._sleep_level = max(self._sleep_level, level)
+
+    def wake(self) -> None:
+        if not self._sleep_level:
+            return
+        if self._sleep_level >= 2 and self.device.type != "cpu":
+            _move_parameters(self.model, self.device)
+        self.runner.allocate_kv()
+        self._sleep_level = 0
+
+    def stats(self) -> EngineStats:
+        tokens = sum(n for n, _ in self._rate)
+        seconds = sum(s for _, s in self._rate)
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), finished=self._finished_count,
+            kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
+            decode_tokens_per_s=tokens / seconds if seconds else 0.0,
+        )
+
+    # ------------------------------------------------------------ helpers
+    @staticmethod
+    def _sample_row(seq: Sequence) -> SampleRow:
+        p = seq.params
+        return SampleRow(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seq.seed, index=seq.num_output_tokens)
+
+    @staticmethod
+    def _result(seq: Sequence, reason: str) -> GenerationResult:
+        return GenerationResult(
+            request_id=seq.request_id, prompt_ids=seq.token_ids[:seq.num_prompt_tokens], output_ids=seq.output_ids,
+            logprobs=list(seq.logprobs), versions=list(seq.versions), finish_reason=reason,
+        )
+
+
+def _load_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def _build_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    with torch.device(device):
+        model = CausalLM(config)
+    model.to(device)  # RoPE tables built from HF helpers on the CPU
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def _move_parameters(model: CausalLM, device: torch.device) -> None:
+    for param in model.parameters():
+        moved = param.data.to(device)
+        param.data = moved.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else moved
+
+
+def _eos_ids(config, folder: Path | None) -> frozenset[int]:
+    eos = None
+    if folder is not None and (folder / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])

@@ -1,0 +1,189 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, returns logits.
+
+The runner owns the KV pool tensor ([layers, num_blocks * block_size, 2, Hkv, D]; slot =
+block * block_size + offset) and knows nothing about policies: the scheduler decided who runs,
+the sampler decides what is drawn.
+
+Attention groups: all decode sequences of a step (one query token each) run as padded SDPA
+calls over their gathered context; sorted by context length and split into a few buckets when
+one long context would make the others pad too much (`bucket_by_length`). Prefill chunks form
+one more group with padded queries and a causal mask offset by what is already cached.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from colorl.engines.native.model import AttentionGroup, CausalLM, ModelSpec, StepInputs
+from colorl.engines.native.scheduler import ScheduledBatch
+
+# A padded SDPA call costs about as much as attending to this many extra cache slots; it decides
+# whether splitting the decode batch into length buckets pays off.
+GROUP_COST_SLOTS = 256
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * spec.num_layers * block_size * spec.kv_size * dtype.itemsize
+
+
+def kv_pool_blocks(engine_cfg, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:
+    """KV pool size: `engine.num_blocks` if given, else what `memory_fraction` of the device leaves.
+
+    CUDA: fraction of the device's total memory, minus what is already allocated (the weights).
+    CPU: fraction of the host's available memory (pages are touched only when blocks are used).
+    Never more than max_num_seqs sequences of max_position_embeddings tokens can use.
+    """
+    if engine_cfg.num_blocks:
+        return engine_cfg.num_blocks
+    size = engine_cfg.block_size
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        budget = engine_cfg.memory_fraction * total - torch.cuda.memory_allocated(device)
+    else:
+        budget = engine_cfg.memory_fraction * _host_available_bytes()
+    cap = engine_cfg.max_num_seqs * math.ceil(spec.max_position_embeddings / size)
+    blocks = min(int(budget // kv_bytes_per_block(spec, size, dtype)), cap)
+    if blocks < 1:
+        raise RuntimeError(
+            f"engine.memory_fraction={engine_cfg.memory_fraction} leaves no room for one KV block; "
+            "raise it or set engine.num_blocks"
+        )
+    return blocks
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def bucket_by_length(lengths: list[int], group_cost: int = GROUP_COST_SLOTS) -> list[int]:
+    """Split ascending `lengths` into contiguous buckets minimising sum(group_cost + n * max).
+
+    Returns bucket end indices. Exact dynamic programme; n is at most max_num_seqs.
+    """
+    n = len(lengths)
+    if not n or lengths[-1] * n - sum(lengths) <= group_cost:  # padding is cheaper than a split
+        return [n] if n else []
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(end):
+            cost = best[start] + group_cost + (end - start) * lengths[end - 1]
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    ends, end = [], n
+    while end > 0:
+        ends.append(end)
+        end = cut[end]
+    return ends[::-1]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.kv_cache: torch.Tensor | None = None
+
+    # ------------------------------------------------------------ memory
+    def allocate_kv(self) -> None:
+        spec = self.model.spec
+        shape = (spec.num_layers, self.num_blocks * self.block_size, 2, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Padding positions read slot 0 (masked out); keep it finite before any block-0 write.
+        self.kv_cache[:, 0].zero_()
+
+    def free_kv(self) -> None:
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Logits [N, V] (float32) for the sequences that sample this step, and their batch indices."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not allocated (engine asleep?)")
+        step, sampling = self.prepare(batch)
+        return self.model(step, self.kv_cache), sampling
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+        decodes = sorted((i for i in range(len(batch)) if batch.num_tokens[i] == 1), key=lambda i: batch.starts[i])
+        prefills = [i for i in range(len(batch)) if batch.num_tokens[i] > 1]
+        groups_of_items: list[list[int]] = []
+        start = 0
+        for end in bucket_by_length([batch.starts[i] + 1 for i in decodes]):
+            groups_of_items.append(decodes[start:end])
+            start = end
+        if prefills:
+            groups_of_items.append(prefills)
+
+        size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampling: list[int] = []
+        groups: list[AttentionGroup] = []
+        for items in groups_of_items:
+            group_start = len(input_ids)
+            for i in items:
+                seq, first, n = batch.seqs[i], batch.starts[i], batch.num_tokens[i]
+                table = seq.block_table
+                input_ids.extend(seq.token_ids[first:first + n])
+                positions.extend(range(first, first + n))
+                slots.extend(table[p // size] * size + p % size for p in range(first, first + n))
+                if batch.sample[i]:
+                    logit_rows.append(len(input_ids) - 1)
+                    sampling.append(i)
+            groups.append(self._group(batch, items, group_start, len(input_ids)))
+
+        step = StepInputs(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            groups=groups,
+            logit_rows=self._tensor(logit_rows),
+            max_position=max(positions),
+        )
+        return step, sampling
+
+    def _group(self, batch: ScheduledBatch, items: list[int], start: int, end: int) -> AttentionGroup:
+        size = self.block_size
+        firsts = torch.tensor([batch.starts[i] for i in items])  # [B]
+        counts = torch.tensor([batch.num_tokens[i] for i in items])  # [B]
+        contexts = firsts + counts  # [B] tokens visible to the last query
+        q_len, kv_len = int(counts.max()), int(contexts.max())
+        width = -(-kv_len // size)
+        tables = torch.zeros(len(items), width, dtype=torch.long)  # [B, blocks]
+        for row, i in enumerate(items):
+            table = batch.seqs[i].block_table[:width]
+            tables[row, :len(table)] = torch.tensor(table)
+        kv_pos = torch.arange(kv_len)  # [L]
+        kv_slots = (tables[:, :, None] * size + torch.arange(size)).view(len(items), -1)[:, :kv_len]  # [B, L]
+        kv_slots = torch.where(kv_pos[None, :] < contexts[:, None], kv_slots, 0)
+        q_offsets = torch.arange(q_len)  # [Q]
+        # Padded query rows get the last real position, so no row is fully masked (no NaN).
+        q_pos = torch.minimum(firsts[:, None] + q_offsets[None, :], contexts[:, None] - 1)  # [B, Q]
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
+        q_pad_index = None
+        if q_len > 1:
+            q_pad_index = (torch.arange(len(items))[:, None] * q_len + q_offsets[None, :])[q_offsets[None, :] < counts[:, None]]
+            q_pad_index = q_pad_index.to(self.device)
+        return AttentionGroup(
+            start=start, end=end, batch=len(items), q_len=q_len, kv_len=kv_len, q_pad_index=q_pad_index,
+            kv_slots=kv_slots.reshape(-1).to(self.device), mask=mask[:, None].to(self.device),
+        )
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,0 +1,87 @@
+"""Model code per family (Llama, Qwen2, Qwen3) against the Hugging Face modules, through the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colorl.config import EngineConfig
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.engines.native import NativeEngine
+from colorl.engines.native.model import ModelSpec
+from colorl.engines.native.model_runner import bucket_by_length
+from colorl.models import load_model, save_tiny_model
+
+PROMPTS = [list(range(10, 23)), [50, 51, 52, 53, 54], list(range(70, 75))]
+VARIANTS = {
+    # Llama with llama3 RoPE scaling, attention bias and mlp bias
+    "llama": dict(family="llama", attention_bias=True, mlp_bias=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(family="qwen2", tie_word_embeddings=False),  # q/k/v bias, separate lm_head
+    "qwen3": dict(family="qwen3", head_dim=24),  # q_norm / k_norm, head_dim != hidden / heads
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def family_dir(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    save_tiny_model(out, initializer_range=0.3, **VARIANTS[request.param])
+    model = load_model(out)
+    with torch.no_grad():  # HF initialises biases and norms to constants: make every weight matter
+        generator = torch.Generator().manual_seed(0)
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(out)
+    return out
+
+
+def test_spec_reads_family_fields(family_dir):
+    model = load_model(family_dir)
+    spec = ModelSpec.from_hf_config(model.config)
+    assert spec.family == model.config.model_type
+    assert spec.qk_norm == (spec.family == "qwen3")
+    assert spec.qkv_bias == (spec.family in ("qwen2", "llama"))
+    assert spec.num_kv_heads == 2 and spec.num_heads == 4
+
+
+def test_greedy_and_logprobs_match_hf(family_dir):
+    model = load_model(family_dir).eval()
+    eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
+    assert set(eng.named_weights()) == set(model.state_dict()) - (
+        {"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    results = eng.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    with torch.no_grad():
+        for prompt, result in zip(PROMPTS, results):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+            assert result.output_ids == out[0, len(prompt):].tolist()
+            logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1:-1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(result.output_ids)[:, None])
+            assert torch.allclose(torch.tensor(result.logprobs), expected.squeeze(-1), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_runs_close_to_hf(tmp_path):
+    out = save_tiny_model(tmp_path, initializer_range=0.3)
+    model = load_model(out, dtype=torch.bfloat16).eval()
+    eng = NativeEngine(out, EngineConfig(num_blocks=32, block_size=4), dtype=torch.bfloat16)
+    assert eng.named_weights()["model.norm.weight"].dtype == torch.bfloat16
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=0)
+    result = eng.generate([GenerationRequest("b", PROMPTS[0], params)])[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0] + result.output_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(result.output_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(result.logprobs), expected, atol=0.1)
+
+
+def test_unsupported_family_is_a_clear_error():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="native engine supports"):
+        ModelSpec.from_hf_config(AutoConfig.for_model("gpt2"))
+
+
+def test_bucket_by_length_splits_only_when_padding_costs_more():
+    assert bucket_by_length([10, 11, 12, 13], group_cost=256) == [4]
+    assert bucket_by_length([10] * 8 + [1000], group_cost=256) == [8, 9]
+    assert bucket_by_length([], group_cost=256) == []
