@@ -13,11 +13,10 @@ from colorl.config import load_config
 from colorl.distributed import run_world
 
 HELPERS = str(Path(__file__).parent / "helpers")
-ENGINE = "hf"
 
 
 def tiny_overrides(extra=()):
-    return ["rollout.engine=" + ENGINE, "task.reward=reward_fns:digit_fraction", "run.steps=3",
+    return ["task.reward=reward_fns:digit_fraction", "run.steps=3",
             "rollout.batch_groups=4", "rollout.max_new_tokens=12", *extra]
 
 
@@ -51,9 +50,9 @@ def _train_in_process(rank, world, cfg_dict, run_dir, out_file):
 
 
 @pytest.mark.parametrize("world, extra", [
-    (1, []), (2, []),
+    (1, ["rollout.engine=hf"]), (1, []), (2, []),
     (2, ["model.lora={r: 4, alpha: 8}", "train.lr=1e-2", "train.offload_optimizer=true"]),
-], ids=["world1", "world2", "world2-lora-offload"])
+], ids=["world1-hf", "world1-native", "world2-native", "world2-lora-offload"])
 def test_three_steps_change_every_weight_and_sync_the_engine(tmp_path, monkeypatch, world, extra):
     monkeypatch.syspath_prepend(HELPERS)
     cfg = load_config("configs/tiny.yaml", tiny_overrides([f"launch.nproc={world}", *extra]))
