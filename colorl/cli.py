@@ -74,7 +74,8 @@ def cmd_train(args) -> int:
         return fail(str(exc))
     from colorl.launch import launch
 
-    failure = launch(run_rank, cfg.launch.nproc, device, (cfg.model_dump(mode="json"), str(run_dir), args.resume, device))
+    failure = launch(run_rank, cfg.launch.nproc, device,
+                     (cfg.model_dump(mode="json"), str(run_dir), args.resume, device), cfg.launch.collective_timeout_s)
     if failure is None:
         print(f"run finished: {run_dir}")
         return 0

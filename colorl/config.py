@@ -123,6 +123,7 @@ class EngineConfig(Section):
 class LaunchConfig(Section):
     nproc: int = Field(1, ge=1, le=64)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    collective_timeout_s: float = Field(600, gt=0)  # a rank stuck longer than this ends the run
 
 
 class Config(Section):

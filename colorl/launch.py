@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -28,8 +29,19 @@ class RankFailure:
     error: str  # traceback text, or a description of how the process died
 
 
-def _entry(rank: int, world: int, port: int, device: str, error_dir: str, target, args) -> None:
+def _exit_with_parent() -> None:
+    """A rank whose launcher died (e.g. SIGKILL) exits instead of running on unattended."""
+    parent = os.getppid()
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, error_dir: str, target, args) -> None:
     from colorl.distributed import init_process_group
+
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not for users
@@ -37,7 +49,7 @@ def _entry(rank: int, world: int, port: int, device: str, error_dir: str, target
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        init_process_group(rank, world, port, device)
+        init_process_group(rank, world, port, device, timeout_s)
         target(rank, world, *args)
     except BaseException as exc:  # report anything, including KeyboardInterrupt, then exit non-zero
         Path(error_dir, f"rank{rank}.txt").write_text(
@@ -49,14 +61,15 @@ def _entry(rank: int, world: int, port: int, device: str, error_dir: str, target
         dist.destroy_process_group()
 
 
-def launch(target, nproc: int, device: str, args: tuple) -> RankFailure | None:
+def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600) -> RankFailure | None:
     """Run `target(rank, world, *args)` on `nproc` ranks; None on success, else the first failure."""
     from colorl.distributed import free_port
 
     ctx = mp.get_context("spawn")
     error_dir = tempfile.mkdtemp(prefix="colorl-errors-")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nproc, port, device, error_dir, target, args)) for r in range(nproc)]
+    procs = [ctx.Process(target=_entry, args=(r, nproc, port, device, timeout_s, error_dir, target, args))
+             for r in range(nproc)]
     for proc in procs:
         proc.start()
     interrupted_at: float | None = None

@@ -68,3 +68,21 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     saved = [p.name for p in (run / "checkpoints").iterdir()]
     assert len(saved) == 1 and saved[0].startswith("step_") and not saved[0].endswith(".partial")
     assert "stopped by signal" in (run / "events.log").read_text()
+
+
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, nproc=1)
+    _wait_for_step(run, proc, 1)
+    pid = _rank_pids(run)[0]
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("rank kept running after its launcher was killed")
