@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from colorl.staleness import formula  # noqa: E402
 from colorl.staleness.formula import LengthModel, Workload  # noqa: E402
 from colorl.staleness.simulator import SimConfig, simulate  # noqa: E402
+from colorl.staleness.reference import SEED_RUNS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 C, G, S = 128, 16, 8  # B = 128, like the seed's runs
@@ -40,14 +41,6 @@ QS = (1, 2, 5)
 TAILNESSES = (0, 50, 90)
 RHOS = (0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.6, 2.0)
 
-SEED_RUNS = [  # C, B, q, ρ, M_tail, seed's predicted, seed's measured
-    (120, 240, 2, 0.63, 1.42, 1.34, 1.26),
-    (240, 120, 2, 0.92, 1.43, 3.86, 3.59),
-    (128, 128, 2, 1.07, 1.44, 3.29, 3.09),
-    (240, 120, 1, 0.86, 1.42, 3.34, 3.40),
-    (120, 120, 1, 0.67, 1.42, 1.95, 1.92),
-    (128, 128, 1, 1.14, 1.45, 2.24, 2.01),
-]
 
 
 def approximations_hold(tailness: float, rho: float) -> bool:

@@ -9,16 +9,8 @@ from hypothesis import strategies as st
 from colorl.staleness import formula
 from colorl.staleness.formula import LengthModel, Workload
 from colorl.staleness.live import predicted_staleness, predicted_staleness_for
+from colorl.staleness.reference import SEED_RUNS
 
-# The seed's table of six Qwen3-8B runs: C, B, q, ρ, M_tail, predicted, measured.
-SEED_RUNS = [
-    (120, 240, 2, 0.63, 1.42, 1.34, 1.26),
-    (240, 120, 2, 0.92, 1.43, 3.86, 3.59),
-    (128, 128, 2, 1.07, 1.44, 3.29, 3.09),
-    (240, 120, 1, 0.86, 1.42, 3.34, 3.40),
-    (120, 120, 1, 0.67, 1.42, 1.95, 1.92),
-    (128, 128, 1, 1.14, 1.45, 2.24, 2.01),
-]
 
 
 def test_rollout_bound_by_hand():
