@@ -77,7 +77,11 @@ def cmd_train(args) -> int:
     failure = launch(run_rank, cfg.launch.nproc, device,
                      (cfg.model_dump(mode="json"), str(run_dir), args.resume, device), cfg.launch.collective_timeout_s)
     if failure is None:
-        print(f"run finished: {run_dir}")
+        done = latest_step(run_dir) or 0
+        if done < cfg.run.steps:
+            print(f"run stopped after step {done} (checkpoint saved): continue with --resume --run-dir {run_dir}")
+        else:
+            print(f"run finished: {run_dir}")
         return 0
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)

@@ -68,6 +68,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     saved = [p.name for p in (run / "checkpoints").iterdir()]
     assert len(saved) == 1 and saved[0].startswith("step_") and not saved[0].endswith(".partial")
     assert "stopped by signal" in (run / "events.log").read_text()
+    assert "continue with --resume" in out
 
 
 def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
