@@ -98,6 +98,13 @@ class RankContext:
         dist.all_reduce(totals)
         return float(totals[0] / totals[1]) if totals[1] else None
 
+    def report_initial_eval(self) -> None:
+        """The baseline the periodic evals compare against, shown before the first step."""
+        accuracy = self.maybe_evaluate()
+        if accuracy is not None:
+            self.event(f"eval_accuracy step=0 {accuracy:.4f}")
+            self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

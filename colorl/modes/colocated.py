@@ -18,6 +18,8 @@ def run_colocated(ctx, stop) -> None:
     cfg, engine, trainer = ctx.cfg, ctx.engine, ctx.trainer
     if ctx.state.step == 0 or ctx.engine.version != ctx.state.version:
         ctx.weight_sync.sync(engine, ctx.state.version)  # engines start from the trainer's weights
+    if ctx.state.step == 0:
+        ctx.report_initial_eval()
     while ctx.state.step < cfg.run.steps:
         times = StepTimes()
         ctx.display.phase("rollout")
