@@ -11,6 +11,8 @@ from typing import Iterable, Mapping
 
 import torch
 
+from colorl.engines.weights import copy_rows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -91,7 +93,7 @@ class Engine(ABC):
         targets = self.named_weights()
         with torch.no_grad():
             for name, tensor in named_tensors:
-                targets[name].copy_(tensor)
+                copy_rows(targets[name], 0, tensor)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.load_weights(named_tensors)

@@ -24,6 +24,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from colorl.engines.weights import copy_rows
+
 
 @dataclass(frozen=True)
 class ShardedParam:
@@ -161,28 +163,6 @@ def local_blocks(bucket: Bucket, params: Sequence[ShardedParam],
         shard = local[piece.param]
         shard = shard.reshape(1) if shard.dim() == 0 else shard
         yield piece.param, piece.row_start, shard[piece.row_start : piece.row_start + piece.row_count]
-
-
-TILE_BYTES = 512 * 1024
-
-
-def copy_rows(target: torch.Tensor, row: int, block: torch.Tensor) -> None:
-    """Write a row block into rows [row, row + len(block)) of a full-shape tensor, in place.
-
-    An engine may keep a weight transposed (the native engine's [in, out] layout): one strided
-    copy then walks the whole block column by column, several times slower than slices of
-    TILE_BYTES, which stay in cache.
-    """
-    if target.dim() == 0:
-        target.copy_(block.view(()))
-        return
-    dst = target.narrow(0, row, block.shape[0])
-    if dst.dim() < 2 or dst.stride(0) >= max(dst.stride()[1:]):
-        dst.copy_(block)
-        return
-    step = max(1, TILE_BYTES // max(1, block[:1].nbytes))
-    for start in range(0, block.shape[0], step):
-        dst[start : start + step].copy_(block[start : start + step])
 
 
 class Assembler:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colorl.engines import weights
 from colorl.sync.buckets import (
-    Assembler, BucketTooSmall, ShardedParam, copy_rows, local_blocks, pack, plan_buckets, row_blocks,
+    Assembler, BucketTooSmall, ShardedParam, local_blocks, pack, plan_buckets, row_blocks,
 )
 
 SHAPES = [(259, 45), (45,), (16, 45), (7, 3, 5), (1, 9), (2,), (37, 45)]  # rows < world, odd sizes, 3-D
@@ -46,7 +47,7 @@ def test_every_row_of_every_rank_lands_once(world, bucket_bytes):
     written = [torch.zeros(p.rows, dtype=torch.int64) for p in params]
     for bucket in buckets:
         for index, row, block in row_blocks(bucket, params, gather(bucket, params, tensors, world)):
-            copy_rows(targets[index], row, block)
+            weights.copy_rows(targets[index], row, block)
             written[index][row : row + block.shape[0]] += 1
     for target, full, count in zip(targets, tensors, written):
         assert torch.equal(target.view(torch.int16 if full.dtype == torch.bfloat16 else torch.int32),
@@ -100,11 +101,9 @@ def test_world_one_blocks_are_the_tensors_themselves():
 
 def test_rows_land_in_a_transposed_engine_weight_tile_by_tile(monkeypatch):
     """The native engine keeps [in, out] storage; copies into it go in cache-sized row slices."""
-    import colorl.sync.buckets as buckets
-
-    monkeypatch.setattr(buckets, "TILE_BYTES", 3 * 7 * 4)  # three rows of 7 floats per slice
+    monkeypatch.setattr(weights, "TILE_BYTES", 3 * 7 * 4)  # three rows of 7 floats per slice
     full = torch.randn(20, 7)
     target = torch.zeros(7, 20).t()  # [20, 7] with strides (1, 20)
-    copy_rows(target, 0, full[:11])
-    copy_rows(target, 11, full[11:])
+    weights.copy_rows(target, 0, full[:11])
+    weights.copy_rows(target, 11, full[11:])
     assert torch.equal(target, full)

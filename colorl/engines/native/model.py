@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colorl.engines.weights import copy_rows
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -326,7 +328,7 @@ class CausalLM(nn.Module):
             target = targets[name]
             if tensor.shape != target.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
+            copy_rows(target, 0, tensor)  # the engine's weights are transposed views
             seen.add(name)
         missing = targets.keys() - seen
         if strict and missing:
