@@ -51,8 +51,9 @@ def _train_in_process(rank, world, cfg_dict, run_dir, out_file):
 
 @pytest.mark.parametrize("world, extra", [
     (1, ["rollout.engine=hf"]), (1, []), (2, []),
-    (2, ["model.lora={r: 4, alpha: 8}", "train.lr=1e-2", "train.offload_optimizer=true"]),
-], ids=["world1-hf", "world1-native", "world2-native", "world2-lora-offload"])
+    (2, ["model.lora={r: 4, alpha: 8}", "train.lr=1e-2", "train.offload_optimizer=true", "loss.kl_coef=0.1"]),
+    (1, ["loss.kl_coef=0.1", "train.lr=1e-3"]),
+], ids=["world1-hf", "world1-native", "world2-native", "world2-lora-offload-kl", "world1-kl"])
 def test_three_steps_change_every_weight_and_sync_the_engine(tmp_path, monkeypatch, world, extra):
     monkeypatch.syspath_prepend(HELPERS)
     cfg = load_config("configs/tiny.yaml", tiny_overrides([f"launch.nproc={world}", *extra]))
@@ -67,6 +68,10 @@ def test_three_steps_change_every_weight_and_sync_the_engine(tmp_path, monkeypat
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
     assert all(r["staleness_mean"] == 0 and r["staleness_max"] == 0 for r in lines)
+    if cfg.loss.kl_coef:  # θ = ref at step 1, then the policy moves away from the reference
+        assert lines[0]["kl_ref"] < 1e-6 < lines[-1]["kl_ref"]
+    else:
+        assert all(r["kl_ref"] == 0 for r in lines)
 
 
 def _cli(argv) -> int:

@@ -54,7 +54,7 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": sync.time_sync_s,
         "time_step_s": t_step, "is_weight_mean": train.is_weight_mean, "is_weight_max": train.is_weight_max,
         "is_truncated_frac": train.is_truncated_frac, "clip_frac": train.clip_frac,
-        "kl_mu_theta": train.kl_mu_theta, "entropy": train.entropy, "grad_norm": train.grad_norm,
+        "kl_mu_theta": train.kl_mu_theta, "kl_ref": train.kl_ref, "entropy": train.entropy, "grad_norm": train.grad_norm,
         "groups_dropped": 0, "groups_mixed_frac": mixed / max(n_groups, 1),
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,

@@ -8,7 +8,8 @@ Departures from the GRPO paper (Shao et al. 2024), each on purpose:
    clipping only bites if a later change takes several steps per batch. clip_frac is still reported.
 3. Token-mean over the whole global batch (default) instead of the per-sequence mean, which
    under-weights long answers; `seq_mean` restores the paper's aggregation.
-4. No KL penalty by default (`loss.kl_coef` = 0).
+4. No KL penalty by default (`loss.kl_coef` = 0); when on, the k3 estimator per token
+   exp(r) − r − 1 with r = logp_ref − logp_θ (unbiased, non-negative), added to the per-token loss.
 5. Asymmetric clip range [1 − ε_low, 1 + ε_high] (DAPO's clip-higher).
 """
 from __future__ import annotations
@@ -68,6 +69,12 @@ def grpo_token_loss(
             kl_mu_theta_sum=float((logp_mu - logp_prox)[m].sum()),
         )
     return per_token, stats
+
+
+def kl_to_reference(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(θ‖ref) per token [N, T], with gradient through logp_θ."""
+    log_ratio = logp_ref - logp
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:

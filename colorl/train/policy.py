@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from colorl.train.fsdp import make_mesh, shard_model
-from colorl.train.grpo import LossStats, aggregate, grpo_token_loss
+from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.models import load_model
 
 
@@ -43,6 +43,7 @@ class TrainStats:
     clip_frac: float
     kl_mu_theta: float
     entropy: float
+    kl_ref: float  # mean per-token KL(θ‖ref) estimate (k3); 0 when loss.kl_coef is 0
 
 
 def _all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -75,6 +76,23 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.temperature = cfg.rollout.temperature
+        self.reference = self._build_reference(model_dir, dtype) if cfg.loss.kl_coef > 0 else None
+
+    def _build_reference(self, model_dir: Path, dtype: torch.dtype):
+        """The frozen initial policy for the KL term. With LoRA it is the same model, adapters off."""
+        if self.cfg.model.lora is not None:
+            return self.model
+        reference = load_model(model_dir, dtype).to(self.device).eval()
+        reference.requires_grad_(False)
+        return shard_model(reference, make_mesh(self.device)) if dist.is_initialized() else reference
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: "TrainBatch") -> torch.Tensor:
+        """logp_ref [N, L] under the initial policy."""
+        if self.cfg.model.lora is not None:
+            with self.model.disable_adapter():
+                return self._logprobs(self.model, batch)[0]
+        return self._logprobs(self.reference, batch)[0]
 
     # -- phases 4 and 6: training state on / off the device
     def onload(self) -> None:
@@ -93,8 +111,11 @@ class PolicyTrainer:
     # -- log-probs
     def token_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """logp_θ [N, L] of each token given its prefix (position 0 gets 0) and entropy [N, L]."""
+        return self._logprobs(self.model, batch)
+
+    def _logprobs(self, model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         ids = batch.input_ids.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=batch.attention_mask.to(self.device)).logits
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(self.device)).logits
         logits = logits[:, :-1].float() / self.temperature  # [N, L-1, V]; same temperature as sampling
         log_norm = torch.logsumexp(logits, dim=-1)  # [N, L-1]
         picked = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - log_norm  # [N, L-1]
@@ -111,7 +132,7 @@ class PolicyTrainer:
         mask = batch.response_mask.float()
         total_tokens, total_seqs = _all_reduce([float(mask.sum()), float(len(batch))])
         world = dist.get_world_size() if dist.is_initialized() else 1
-        stats, entropy_sum, loss_sum = LossStats(), 0.0, 0.0
+        stats, entropy_sum, loss_sum, kl_ref_sum = LossStats(), 0.0, 0.0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         micro = self.cfg.train.micro_batch
         for start in range(0, len(batch), micro):
@@ -122,6 +143,10 @@ class PolicyTrainer:
                 logp, part.behaviour_logp.to(self.device), part.advantages.to(self.device), part_mask,
                 loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.tis_cap,
             )
+            if self.reference is not None:
+                kl = kl_to_reference(logp, self.reference_logprobs(part)) * part_mask  # [n, L]
+                per_token = per_token + loss_cfg.kl_coef * kl
+                kl_ref_sum += float(kl.detach().sum())
             loss = aggregate(per_token, part_mask, loss_cfg.aggregation, total_tokens, total_seqs)
             (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
             loss_sum += float(loss.detach())
@@ -133,15 +158,15 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         summed = _all_reduce([loss_sum, stats.is_weight_sum, stats.truncated, stats.clipped,
-                              stats.kl_mu_theta_sum, entropy_sum])
+                              stats.kl_mu_theta_sum, entropy_sum, kl_ref_sum])
         (weight_max,) = _all_reduce([stats.is_weight_max], op=dist.ReduceOp.MAX)
-        loss_total, weight_sum, truncated, clipped, kl_sum, ent_sum = summed
+        loss_total, weight_sum, truncated, clipped, kl_sum, ent_sum, kl_ref_total = summed
         denom = max(total_tokens, 1.0)
         return TrainStats(
             loss=loss_total, grad_norm=float(grad_norm), tokens=int(total_tokens),
             seconds=time.perf_counter() - started, is_weight_mean=weight_sum / denom, is_weight_max=weight_max,
             is_truncated_frac=truncated / denom, clip_frac=clipped / denom, kl_mu_theta=kl_sum / denom,
-            entropy=ent_sum / denom,
+            entropy=ent_sum / denom, kl_ref=kl_ref_total / denom,
         )
 
 

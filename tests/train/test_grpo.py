@@ -61,3 +61,14 @@ def test_sequence_mean_weights_each_sequence_equally():
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
     assert float(aggregate(per_token, mask, "seq_mean", 5.0, 2.0)) == (1.0 + 4.0) / 2
     assert math.isclose(float(aggregate(per_token, mask, "token_mean", 5.0, 2.0)), 8.0 / 5, rel_tol=1e-6)
+
+
+def test_kl_to_reference_k3_by_hand():
+    from colorl.train.grpo import kl_to_reference
+
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    logp_ref = torch.tensor([[-1.5, -2.0]])
+    kl = kl_to_reference(logp, logp_ref)
+    assert torch.allclose(kl, torch.tensor([[math.exp(-0.5) + 0.5 - 1, 0.0]]))
+    kl.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[1 - math.exp(-0.5), 0.0]]))  # pulls θ toward ref
