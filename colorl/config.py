@@ -153,6 +153,8 @@ class Config(Section):
             raise ValueError(f"mode={self.mode!r} is not available in this version; allowed: {list(IMPLEMENTED_MODES)}")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
+        if self.rollout.engine == "sglang":
+            raise ValueError("rollout.engine=sglang: the SGLang adapter is not in this version; use native or hf")
         return self
 
     @property
