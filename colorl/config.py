@@ -265,12 +265,33 @@ def check_external(config: Config) -> None:
         check_model_path(config.model.path)
     except ModelNotFound as exc:
         raise ConfigError(str(exc)) from None
+    folder = Path(config.model.path).expanduser()
+    if (folder / "config.json").is_file():
+        check_model_folder(folder, config.rollout.engine)
     for key in ("path", "eval_path"):
         value = getattr(config.task, key)
         if value and not Path(value).is_file():
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)
+
+
+def check_model_folder(folder: Path, engine: str) -> None:
+    """A local model folder must hold a readable config of a family the chosen engine runs."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers raises many types for a broken folder
+        raise ConfigError(f"model.path={str(folder)!r}: unreadable model config ({type(exc).__name__}: {exc})"
+                          .splitlines()[0]) from None
+    if engine == "native":
+        from colorl.engines.native.model import ModelSpec
+
+        try:
+            ModelSpec.from_hf_config(hf_config)
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(f"model.path={str(folder)!r}: {exc}") from None
 
 
 def resolve_reward(spec: str):

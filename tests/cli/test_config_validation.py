@@ -118,3 +118,19 @@ def test_user_reward_module_loads(tmp_path, monkeypatch):
 
 def test_bad_cli_flag_exits_2(capsys):
     assert main(["train", "configs/tiny.yaml", "--no-such-flag"]) == 2
+
+
+def test_broken_or_unsupported_model_folders(capsys, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", f"model.path={broken}"])
+    assert code == 2 and "unreadable model config" in err and len(err.strip().splitlines()) == 1
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", f"model.path={gpt2}"])
+    assert code == 2 and "gpt2" in err and "rollout.engine=hf" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", f"model.path={gpt2}",
+                                    "--set", "rollout.engine=hf"])
+    assert code == 0, err
