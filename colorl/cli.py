@@ -69,6 +69,10 @@ def cmd_train(args) -> int:
     if args.resume and latest_step(run_dir) is None:
         return fail(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
     try:
+        preflight(cfg)
+    except (ConfigError, ValueError) as exc:
+        return fail(str(exc))
+    try:
         prepare_run_dir(cfg, run_dir, args.resume)
     except (FileExistsError, OSError) as exc:
         return fail(str(exc))
@@ -83,6 +87,8 @@ def cmd_train(args) -> int:
         else:
             print(f"run finished: {run_dir}")
         return 0
+    if failure.interrupted:
+        return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", 130)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
 
@@ -94,6 +100,26 @@ def _readable(error: str, frames: int = 20) -> str:
     if len(lines) > frames:
         lines = ["  ..."] + lines[-frames:]
     return "\n".join([head, ""] + lines) if lines else head
+
+
+def preflight(cfg) -> None:
+    """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
+    load its tokenizer, apply the chat template, draw a problem."""
+    from colorl.config import ConfigError
+    from colorl.models import ModelNotFound, encode_chat, load_tokenizer, resolve_model_path
+    from colorl.tasks import build_task
+
+    try:
+        model_dir = resolve_model_path(cfg.model.path)
+    except ModelNotFound as exc:
+        raise ConfigError(str(exc)) from None
+    task = build_task(cfg.task, cfg.run.seed)
+    problem = task.train_problem(0)
+    try:
+        encode_chat(load_tokenizer(model_dir), problem.prompt, cfg.model.system_prompt)
+    except Exception as exc:  # tokenizer / template errors come in many types
+        raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def cmd_export(args) -> int:

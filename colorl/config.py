@@ -75,7 +75,7 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    concurrency: int = Field(32, ge=1)
+    concurrency: int = Field(32, ge=1)  # C: sequences in flight over all ranks (caps engine.max_num_seqs)
     length_override: Optional[LengthOverride] = None
 
 

@@ -19,7 +19,8 @@ def free_port() -> int:
 def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu", timeout_s: float = 120) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    backend = "nccl" if device == "cuda" else "gloo"
+    # metrics and stop flags are small CPU tensors: gloo carries those, nccl the model's
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))

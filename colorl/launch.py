@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -27,6 +28,7 @@ class RankFailure:
     rank: int
     exitcode: int | None
     error: str  # traceback text, or a description of how the process died
+    interrupted: bool = False  # the user pressed Ctrl-C before this happened
 
 
 def _exit_with_parent() -> None:
@@ -42,6 +44,7 @@ def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, erro
     from colorl.distributed import init_process_group
 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the run installs its stop-at-step-boundary handler
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not for users
@@ -72,25 +75,26 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
              for r in range(nproc)]
     for proc in procs:
         proc.start()
-    interrupted_at: float | None = None
+    interrupted = False
     try:
         while True:
             try:
                 failure = _first_failure(procs, error_dir)
                 if failure is not None:
                     _stop_all(procs)
+                    failure.interrupted = interrupted
                     return failure
                 if all(p.exitcode == 0 for p in procs):
                     return None
-                if interrupted_at is not None and time.monotonic() - interrupted_at > 120:
-                    _stop_all(procs)
-                    return RankFailure(0, None, "interrupted: ranks did not stop within 120 s and were killed")
                 time.sleep(POLL_S)
             except KeyboardInterrupt:
-                if interrupted_at is not None:  # second Ctrl-C: stop now
+                if interrupted:  # second Ctrl-C: stop now
                     _stop_all(procs, grace_s=0)
-                    return RankFailure(0, None, "interrupted twice: ranks killed without a final checkpoint")
-                interrupted_at = time.monotonic()
+                    return RankFailure(0, None, "ranks killed on a second Ctrl-C, without a final checkpoint",
+                                       interrupted=True)
+                interrupted = True
+                print("colorl: stopping after the current step (a checkpoint is saved); Ctrl-C again to stop now",
+                      file=sys.stderr, flush=True)
                 for proc in procs:  # ranks save a checkpoint at the next step boundary and exit
                     if proc.is_alive():
                         os.kill(proc.pid, signal.SIGINT)

@@ -139,9 +139,12 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
     """Rank 0 only. A fresh run never overwrites an existing one; config.yaml is written atomically."""
     has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
     if has_run and not resume:
-        raise FileExistsError(f"run directory {run_dir} already holds a run; pass --resume or choose another run.name")
+        hint = ("pass --resume" if latest_step(run_dir) is not None
+                else "it has no checkpoint to resume from: delete it")
+        raise FileExistsError(f"run directory {run_dir} already holds a run; {hint} or choose another run.name")
     run_dir.mkdir(parents=True, exist_ok=True)
-    name = "config.yaml" if not (run_dir / "config.yaml").exists() else f"config.resume-{int(time.time())}.yaml"
+    # config.yaml is the config of the run's steps (export reads it); a resume records its own next to it
+    name = f"config.resume-{int(time.time())}.yaml" if resume else "config.yaml"
     tmp = run_dir / f".{name}.tmp"
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / name)
@@ -162,7 +165,10 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     else:
         reward_fn = task.reward
     trainer = PolicyTrainer(model_dir, cfg, device, dtype)
-    engine = build_engine(cfg.rollout.engine, model_dir, cfg.engine, device, dtype)
+    # C = rollout.concurrency counts sequences in flight over all ranks; each engine takes its share
+    per_rank_concurrency = -(-cfg.rollout.concurrency // world)
+    engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency)})
+    engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, dtype)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 
     weight_sync = CheckpointEngine(trainer.model, engine, cfg.sync, cfg.model.lora)

@@ -69,6 +69,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert len(saved) == 1 and saved[0].startswith("step_") and not saved[0].endswith(".partial")
     assert "stopped by signal" in (run / "events.log").read_text()
     assert "continue with --resume" in out
+    assert "stopping after the current step" in err
 
 
 def test_ranks_exit_when_the_launcher_is_killed(tmp_path):

@@ -30,10 +30,10 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
     rewards = [x for g in groups for x in g.rewards]
     staleness = [trained_version - g.first_version for g in groups]
     group_max = [max(len(r.output_ids) for r in g.results) for g in groups]
+    reward_errors, reward_timeouts = ctx.reward_counters.take()
     sums = _reduce([
         sum(lengths), len(lengths), sum(rewards), sum(1 for x in rewards if x >= 1.0), sum(group_max), len(groups),
-        sum(staleness), sum(1 for g in groups if g.has_signal), ctx.reward_counters.errors,
-        ctx.reward_counters.timeouts,
+        sum(staleness), sum(1 for g in groups if g.has_signal), reward_errors, reward_timeouts,
     ], dist.ReduceOp.SUM)
     maxes = _reduce([max(lengths), max(staleness), times.rollout, times.train, time.perf_counter() - times.start],
                     dist.ReduceOp.MAX)
@@ -55,6 +55,7 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "time_step_s": t_step, "is_weight_mean": train.is_weight_mean, "is_weight_max": train.is_weight_max,
         "is_truncated_frac": train.is_truncated_frac, "clip_frac": train.clip_frac,
         "kl_mu_theta": train.kl_mu_theta, "kl_ref": train.kl_ref, "entropy": train.entropy, "grad_norm": train.grad_norm,
+        "optimizer_steps_skipped": ctx.trainer.skipped_steps,
         "groups_dropped": 0, "groups_mixed_frac": mixed / max(n_groups, 1),
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,

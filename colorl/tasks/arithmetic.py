@@ -26,6 +26,9 @@ class ArithmeticTask:
         pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)] if digits <= 2 else None
         self._seed, self._low, self._high = seed, low, high
         fraction = opts.get("eval_fraction", 0.2)
+        if not 0 < fraction < 1:
+            raise ValueError(f"task.options.eval_fraction={fraction}: allowed 0 < x < 1")
+        self._fraction = fraction
         if pairs is not None:
             random.Random(f"arith-split-{seed}").shuffle(pairs)
             cut = max(1, int(len(pairs) * fraction))
@@ -34,7 +37,7 @@ class ArithmeticTask:
             self._eval = self._train = None
 
     def _is_eval(self, pair: tuple[int, int]) -> bool:
-        return random.Random(f"arith-{self._seed}-{pair}").random() < 0.2
+        return random.Random(f"arith-{self._seed}-{pair}").random() < self._fraction
 
     def _pair(self, split: str, index: int) -> tuple[int, int]:
         listed = self._train if split == "train" else self._eval

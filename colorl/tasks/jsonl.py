@@ -36,13 +36,16 @@ class JsonlTask:
 
     def __init__(self, seed: int, options: dict, path: str, eval_path: str | None = None) -> None:
         opts = check_options(self.name, options, {"eval_fraction": float})
+        fraction = opts.get("eval_fraction", 0.1)
+        if not 0 <= fraction < 1:
+            raise ValueError(f"task.options.eval_fraction={fraction}: allowed 0 <= x < 1")
         problems = read_problems(path)
         if eval_path:
             self._train, self._eval = problems, read_problems(eval_path)
         else:
             shuffled = problems[:]
             random.Random(f"jsonl-split-{seed}").shuffle(shuffled)
-            cut = int(len(shuffled) * opts.get("eval_fraction", 0.1))
+            cut = int(len(shuffled) * fraction)
             self._eval, self._train = shuffled[:cut], shuffled[cut:] or shuffled
         self._seed = seed
 

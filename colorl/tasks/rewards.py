@@ -5,10 +5,12 @@ gives reward 0 and is counted, and never stops the run.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue
 import re
+import signal
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -76,10 +78,17 @@ class RewardCounters:
     timeouts: int = 0
     last_error: str = ""
 
+    def take(self) -> tuple[int, int]:
+        """Errors and time-outs since the last call (one step's worth), then start counting anew."""
+        counts = (self.errors, self.timeouts)
+        self.errors = self.timeouts = 0
+        return counts
+
 
 def _reward_worker(spec: str, inbox, outbox) -> None:
     from colorl.config import resolve_reward
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rank's to handle, between steps
     try:
         func = resolve_reward(spec)
     except Exception as exc:  # reported to the parent, which counts it per call
@@ -97,7 +106,10 @@ def _reward_worker(spec: str, inbox, outbox) -> None:
         if item is None:
             return
         try:
-            outbox.put(("ok", float(func(*item))))
+            value = float(func(*item))
+            if not math.isfinite(value):
+                raise ValueError(f"reward {value} is not finite")
+            outbox.put(("ok", value))
         except BaseException as exc:  # user code: anything it raises is a zero reward
             outbox.put(("error", f"{type(exc).__name__}: {exc}"))
 

@@ -63,9 +63,12 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState) -> Pat
     _barrier()
     if _rank() == 0:
         (partial / "state.json").write_text(json.dumps(asdict(state)))
-        if final.exists():  # re-saving a step (e.g. after a resume): keep the old one until the new is whole
-            shutil.rmtree(final)
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # re-saving a step (e.g. after a resume): a step always has a whole checkpoint
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
         partial.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
@@ -106,9 +109,14 @@ def _untied_model_state(model) -> dict:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

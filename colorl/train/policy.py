@@ -76,6 +76,7 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.temperature = cfg.rollout.temperature
+        self.skipped_steps = 0  # optimizer steps not taken because the gradient was not finite
         self.reference = self._build_reference(model_dir, dtype) if cfg.loss.kl_coef > 0 else None
 
     def _build_reference(self, model_dir: Path, dtype: torch.dtype):
@@ -101,6 +102,8 @@ class PolicyTrainer:
     def offload(self) -> None:
         if self.cfg.train.offload_optimizer:
             self._move_optimizer("cpu")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies are non-blocking; a checkpoint may read them next
 
     def _move_optimizer(self, device: str) -> None:
         for state in self.optimizer.state.values():
@@ -130,7 +133,9 @@ class PolicyTrainer:
         started = time.perf_counter()
         loss_cfg = self.cfg.loss
         mask = batch.response_mask.float()
-        total_tokens, total_seqs = _all_reduce([float(mask.sum()), float(len(batch))])
+        kept_rows = float(mask.any(dim=1).sum())  # zero-variance groups masked out do not count
+        total_tokens, total_seqs = _all_reduce([float(mask.sum()), kept_rows])
+        token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         stats, entropy_sum, loss_sum, kl_ref_sum = LossStats(), 0.0, 0.0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -147,7 +152,7 @@ class PolicyTrainer:
                 kl = kl_to_reference(logp, self.reference_logprobs(part)) * part_mask  # [n, L]
                 per_token = per_token + loss_cfg.kl_coef * kl
                 kl_ref_sum += float(kl.detach().sum())
-            loss = aggregate(per_token, part_mask, loss_cfg.aggregation, total_tokens, total_seqs)
+            loss = aggregate(per_token, part_mask, loss_cfg.aggregation, token_denom, seq_denom)
             (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
             loss_sum += float(loss.detach())
             entropy_sum += float((entropy * part_mask).sum())
@@ -155,13 +160,16 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):  # every rank sees the same global norm, so all skip together
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         summed = _all_reduce([loss_sum, stats.is_weight_sum, stats.truncated, stats.clipped,
                               stats.kl_mu_theta_sum, entropy_sum, kl_ref_sum])
         (weight_max,) = _all_reduce([stats.is_weight_max], op=dist.ReduceOp.MAX)
         loss_total, weight_sum, truncated, clipped, kl_sum, ent_sum, kl_ref_total = summed
-        denom = max(total_tokens, 1.0)
+        denom = token_denom
         return TrainStats(
             loss=loss_total, grad_norm=float(grad_norm), tokens=int(total_tokens),
             seconds=time.perf_counter() - started, is_weight_mean=weight_sum / denom, is_weight_max=weight_max,

@@ -28,6 +28,7 @@ CASES = [
     (["task.path=/no/such.jsonl", "task.name=jsonl"], ["task.path", "not found"]),
     (["task.options={digits: 9}"], ["task.options.digits", "9"]),
     (["task.options={colour: red}"], ["task.options.colour", "unknown"]),
+    (["task.options={eval_fraction: 1.0}"], ["task.options.eval_fraction", "0 < x < 1"]),
     (["rollout"], ["key=value"]),
     (["run.steps.x=1"], ["run.steps", "not a section"]),
     (["rollout.engine=sglang", "launch.device=cpu"], ["sglang", "CUDA"]),
@@ -134,3 +135,32 @@ def test_broken_or_unsupported_model_folders(capsys, tmp_path):
     code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", f"model.path={gpt2}",
                                     "--set", "rollout.engine=hf"])
     assert code == 0, err
+
+
+def test_model_without_chat_template_is_refused_before_launch(capsys, tmp_path):
+    from colorl.models import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "no-template")
+    (folder / "chat_template.jinja").unlink()
+    config = folder / "tokenizer_config.json"
+    import json
+
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+                                    "--set", f"model.path={folder}"])
+    assert code == 2 and "cannot build a chat prompt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_failed_start_leaves_a_directory_a_fresh_run_can_use(capsys, tmp_path):
+    from colorl.config import load_config
+    from colorl.worker import prepare_run_dir
+
+    run = tmp_path / "run"
+    prepare_run_dir(load_config("configs/tiny.yaml", ["run.seed=1"]), run, resume=False)
+    prepare_run_dir(load_config("configs/tiny.yaml", ["run.seed=2"]), run, resume=False)
+    assert "seed: 2" in (run / "config.yaml").read_text()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # crashed before its first checkpoint
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--run-dir", str(run)])
+    assert code == 2 and "no checkpoint to resume from" in err

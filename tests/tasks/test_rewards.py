@@ -46,6 +46,8 @@ def good(prompt, completion, answer):
     return 0.5
 def broken(prompt, completion, answer):
     raise RuntimeError("user bug")
+def not_finite(prompt, completion, answer):
+    return float("nan")
 def slow(prompt, completion, answer):
     time.sleep(30)
     return 1.0
@@ -60,7 +62,10 @@ def test_user_reward_errors_and_timeouts_give_zero_and_are_counted(tmp_path, mon
     good = SandboxedReward("user_rewards_mod:good", 5.0, counters)
     broken = SandboxedReward("user_rewards_mod:broken", 5.0, counters)
     slow = SandboxedReward("user_rewards_mod:slow", 0.5, counters)
+    nan = SandboxedReward("user_rewards_mod:not_finite", 5.0, counters)
     try:
+        assert nan("p", "c", "a") == 0.0 and "not finite" in counters.last_error
+        assert counters.take() == (1, 0) and counters.take() == (0, 0)  # per-step counts
         assert good("p", "c", "a") == 0.5
         assert broken("p", "c", "a") == 0.0
         assert counters.errors == 1 and "user bug" in counters.last_error
@@ -70,5 +75,5 @@ def test_user_reward_errors_and_timeouts_give_zero_and_are_counted(tmp_path, mon
         assert counters.timeouts >= 1
         assert good("p", "c", "a") == 0.5  # the run goes on
     finally:
-        for reward in (good, broken, slow):
+        for reward in (good, broken, slow, nan):
             reward.close()

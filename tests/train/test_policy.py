@@ -1,0 +1,61 @@
+"""The training engine on one process: degenerate batches never poison the weights."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from colorl.config import load_config
+from colorl.train.policy import PolicyTrainer, TrainBatch
+
+
+def _batch(n: int = 4, length: int = 10, vocab: int = 200) -> TrainBatch:
+    torch.manual_seed(0)
+    ids = torch.randint(3, vocab, (n, length))
+    response = torch.zeros(n, length)
+    response[:, 6:] = 1
+    behaviour = torch.full((n, length), -5.0) * response
+    return TrainBatch(ids, torch.ones(n, length, dtype=torch.long), response, behaviour,
+                      torch.tensor([1.0, -1.0, 0.5, -0.5])[:n])
+
+
+def _trainer(tiny_model_dir, *sets):
+    cfg = load_config("configs/tiny.yaml", ["train.micro_batch=2", *sets], check_paths=False)
+    return PolicyTrainer(tiny_model_dir, cfg, "cpu")
+
+
+def _weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_a_fully_masked_batch_trains_nothing_and_stays_finite(tiny_model_dir):
+    trainer = _trainer(tiny_model_dir)
+    before = _weights(trainer)
+    batch = _batch()
+    batch.response_mask.zero_()
+    stats = trainer.train_step(batch)
+    assert stats.loss == 0.0 and stats.tokens == 0 and math.isfinite(stats.grad_norm)
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_model_dir):
+    trainer = _trainer(tiny_model_dir)
+    before = _weights(trainer)
+    batch = _batch()
+    batch.advantages[0] = float("nan")
+    stats = trainer.train_step(batch)
+    assert not math.isfinite(stats.grad_norm) and trainer.skipped_steps == 1
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    trainer.train_step(_batch())  # the next good batch trains as usual
+    assert trainer.skipped_steps == 1
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_sequence_mean_counts_only_rows_that_are_trained(tiny_model_dir):
+    """Masking half the rows (zero-variance groups) must not halve the loss of the others."""
+    full, half = _trainer(tiny_model_dir, "loss.aggregation=seq_mean"), _trainer(tiny_model_dir, "loss.aggregation=seq_mean")
+    kept = _batch(n=2)
+    both = _batch(n=4)
+    both.input_ids[:2], both.behaviour_logp[:2], both.advantages[:2] = kept.input_ids, kept.behaviour_logp, kept.advantages
+    both.response_mask[2:] = 0
+    assert math.isclose(full.train_step(kept).loss, half.train_step(both).loss, rel_tol=1e-5)
