@@ -33,6 +33,7 @@ class RunConfig(Section):
     seed: int = 0
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=0)  # 0: only at the end
+    keep_checkpoints: int = Field(0, ge=0)  # newest N kept after each save; 0: keep all
     eval_every: int = Field(0, ge=0)  # 0: no periodic eval
     eval_prompts: int = Field(32, ge=0)
     tensorboard: bool = False

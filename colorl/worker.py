@@ -24,7 +24,9 @@ from colorl.models import encode_chat, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
-from colorl.train.checkpoint import TrainerState, latest_step, load_checkpoint, save_checkpoint
+from colorl.train.checkpoint import (
+    TrainerState, latest_step, load_checkpoint, prune_checkpoints, save_checkpoint,
+)
 from colorl.train.policy import PolicyTrainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +118,8 @@ class RankContext:
     def save(self) -> None:
         path = save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer, self.state)
         self.event(f"checkpoint step={self.state.step} path={path}")
+        for step in prune_checkpoints(self.run_dir, self.cfg.run.keep_checkpoints):
+            self.event(f"checkpoint step={step} deleted (run.keep_checkpoints={self.cfg.run.keep_checkpoints})")
 
 
 class StopRequest:

@@ -102,6 +102,13 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, world):
     assert not all(torch.equal(a[k], _weights(resumed, 2)[k]) for k in a)
 
 
+def test_keep_checkpoints_prunes_the_oldest(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    sets = tiny_overrides(["run.steps=3", "run.save_every=1", "run.keep_checkpoints=2"])
+    assert _cli([x for s in sets for x in ("--set", s)] + ["--run-dir", str(tmp_path / "r")]) == 0
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
 def test_failing_reward_is_counted_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(HELPERS)
     argv = [a for o in tiny_overrides(["run.steps=2", "task.reward=reward_fns:flaky"]) for a in ("--set", o)]

@@ -73,6 +73,19 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState) -> Pat
     return final
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> list[int]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0 only); returns the steps deleted."""
+    if keep <= 0 or _rank() != 0:
+        return []
+    root = Path(run_dir) / "checkpoints"
+    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")
+                   if p.name.split("_")[1].isdigit() and (p / "state.json").is_file())
+    doomed = steps[:-keep]
+    for step in doomed:
+        shutil.rmtree(checkpoint_dir(run_dir, step))
+    return doomed
+
+
 def load_checkpoint(run_dir: Path, step: int, model, optimizer) -> TrainerState:
     folder = checkpoint_dir(run_dir, step)
     model_sd = _untied_model_state(model)
