@@ -33,11 +33,16 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step}"
 
 
-def latest_step(run_dir: Path) -> int | None:
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps with a whole checkpoint, oldest first (`.partial` and `.old` folders are not)."""
     root = Path(run_dir) / "checkpoints"
-    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit()
-             and (p / "state.json").is_file()]
-    return max(steps) if steps else None
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")
+                  if p.name.split("_")[1].isdigit() and (p / "state.json").is_file())
+
+
+def latest_step(run_dir: Path) -> int | None:
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
 
 
 def _rank() -> int:
@@ -77,10 +82,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[int]:
     """Delete all but the newest `keep` complete checkpoints (rank 0 only); returns the steps deleted."""
     if keep <= 0 or _rank() != 0:
         return []
-    root = Path(run_dir) / "checkpoints"
-    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")
-                   if p.name.split("_")[1].isdigit() and (p / "state.json").is_file())
-    doomed = steps[:-keep]
+    doomed = complete_steps(run_dir)[:-keep]
     for step in doomed:
         shutil.rmtree(checkpoint_dir(run_dir, step))
     return doomed
