@@ -109,9 +109,11 @@ def test_keep_checkpoints_prunes_the_oldest(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
-def test_failing_reward_is_counted_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_failing_reward_is_counted_the_run_goes_on_and_tensorboard_logs(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(HELPERS)
-    argv = [a for o in tiny_overrides(["run.steps=2", "task.reward=reward_fns:flaky"]) for a in ("--set", o)]
+    argv = [a for o in tiny_overrides(["run.steps=2", "task.reward=reward_fns:flaky", "run.tensorboard=true"])
+            for a in ("--set", o)]
     assert _cli(argv + ["--run-dir", str(tmp_path / "r")]) == 0
     lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["reward_errors"] for r in lines) > 0
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
