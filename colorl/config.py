@@ -86,6 +86,9 @@ class TrainConfig(Section):
     micro_batch: int = Field(8, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     offload_optimizer: bool = False
+    # compute dtype of forward/backward (FSDP2 mixed precision); weights, optimizer state and
+    # gradient reduction stay in model.dtype. null: compute in model.dtype
+    mixed_precision: Optional[Literal["bfloat16", "float16"]] = None
 
 
 class LossConfig(Section):

@@ -53,7 +53,8 @@ def _train_in_process(rank, world, cfg_dict, run_dir, out_file):
     (1, ["rollout.engine=hf"]), (1, []), (2, []),
     (2, ["model.lora={r: 4, alpha: 8}", "train.lr=1e-2", "train.offload_optimizer=true", "loss.kl_coef=0.1"]),
     (1, ["loss.kl_coef=0.1", "train.lr=1e-3"]),
-], ids=["world1-hf", "world1-native", "world2-native", "world2-lora-offload-kl", "world1-kl"])
+    (2, ["train.mixed_precision=bfloat16"]),
+], ids=["world1-hf", "world1-native", "world2-native", "world2-lora-offload-kl", "world1-kl", "world2-bf16-compute"])
 def test_three_steps_change_every_weight_and_sync_the_engine(tmp_path, monkeypatch, world, extra):
     monkeypatch.syspath_prepend(HELPERS)
     cfg = load_config("configs/tiny.yaml", tiny_overrides([f"launch.nproc={world}", *extra]))

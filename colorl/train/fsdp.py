@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -19,12 +19,19 @@ def make_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, cpu_offload: bool = False) -> torch.nn.Module:
-    """Shard in place; parameters become DTensors sharded on dim 0 across the mesh."""
-    offload = CPUOffloadPolicy() if cpu_offload else None
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, cpu_offload: bool = False,
+                compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard in place; parameters become DTensors sharded on dim 0 across the mesh.
+
+    With `compute_dtype`, forward and backward run in it while the sharded parameters (what the
+    optimizer steps and the checkpoint engine publishes) and the gradient reduction keep the
+    model's own dtype.
+    """
     kwargs = {"mesh": mesh}
-    if offload is not None:
-        kwargs["offload_policy"] = offload
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if compute_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -71,7 +71,8 @@ class PolicyTrainer:
             model = apply_lora(model, cfg.model.lora)
         model.to(device)
         model.config.use_cache = False
-        self.model = shard_model(model, make_mesh(device)) if dist.is_initialized() else model
+        self.compute_dtype = getattr(torch, cfg.train.mixed_precision) if cfg.train.mixed_precision else None
+        self.model = self._shard(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
@@ -85,7 +86,12 @@ class PolicyTrainer:
             return self.model
         reference = load_model(model_dir, dtype).to(self.device).eval()
         reference.requires_grad_(False)
-        return shard_model(reference, make_mesh(self.device)) if dist.is_initialized() else reference
+        return self._shard(reference)
+
+    def _shard(self, model):
+        if not dist.is_initialized():
+            return model
+        return shard_model(model, make_mesh(self.device), compute_dtype=self.compute_dtype)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: "TrainBatch") -> torch.Tensor:
