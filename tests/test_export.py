@@ -42,3 +42,20 @@ def test_export_loads_and_generates_like_the_checkpoint(tmp_path, monkeypatch, c
     assert "not empty" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 2
     assert main(["export", str(run), str(tmp_path / "o3"), "--step", "7"]) == 2
+
+
+def test_export_of_a_lora_run_merges_the_adapters(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(HELPERS)
+    run = tmp_path / "run"
+    sets = ["task.reward=reward_fns:digit_fraction", "run.steps=2", "rollout.batch_groups=2",
+            "rollout.max_new_tokens=8", "train.lr=1e-2", "model.lora={r: 4, alpha: 8, targets: [q_proj, v_proj]}"]
+    assert main(["train", "configs/tiny.yaml", "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]) == 0
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+
+    from colorl.models import load_model, resolve_model_path
+
+    base = load_model(resolve_model_path("tiny-random-llama")).state_dict()
+    assert exported.keys() == base.keys()  # a plain HF model, no peft names
+    changed = {name for name in base if not torch.equal(base[name], exported[name])}
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
