@@ -67,6 +67,8 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState) -> Pat
     torch.save(_rng_state(), partial / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
+        # the consolidated safetensors are what readers use; the per-rank shards would double the size
+        shutil.rmtree(partial / "model" / "sharded", ignore_errors=True)
         (partial / "state.json").write_text(json.dumps(asdict(state)))
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step (e.g. after a resume): a step always has a whole checkpoint
