@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 ENGINES = ("native", "hf", "sglang")
 TASKS = ("arithmetic", "countdown", "jsonl")
 MODES = ("colocated", "bounded_lag")
-IMPLEMENTED_MODES = ("colocated",)
 
 
 class ConfigError(ValueError):
@@ -153,8 +152,6 @@ class Config(Section):
             )
         if self.task.name == "jsonl" and not self.task.path:
             raise ValueError("task.path is required when task.name=jsonl")
-        if self.mode not in IMPLEMENTED_MODES:
-            raise ValueError(f"mode={self.mode!r} is not available in this version; allowed: {list(IMPLEMENTED_MODES)}")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
         if self.rollout.engine == "sglang":
