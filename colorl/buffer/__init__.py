@@ -4,12 +4,14 @@ takes. One implementation for the bounded-lag mode and the simulator (pure Pytho
 - `base`: `Slot` (one group's place), the `StalenessBuffer` protocol, `Taken`, `BufferState`.
 - `staleflow`: StaleFlow's virtual buffers per version (Reserve / Occupy / Consume), η-bounded.
 - `queues`: `queue_drop` (bounded, evicts the oldest) and `queue_max` (discards staler than η).
+- `shared`: `SharedBuffer`, the same calls under one lock for the rollout and trainer threads.
 """
 
 from __future__ import annotations
 
 from colorl.buffer.base import BufferState, Slot, StalenessBuffer, Taken
 from colorl.buffer.queues import QueueDrop, QueueMax
+from colorl.buffer.shared import SharedBuffer
 from colorl.buffer.staleflow import StaleFlowBuffers
 
 BUFFERS: dict[str, type] = {"staleflow": StaleFlowBuffers, "queue_drop": QueueDrop,
@@ -28,5 +30,5 @@ def make_buffer(name: str, groups_per_step: int, queue_factor: float = 1.0,
     return cls(groups_per_step, queue_factor, eta)
 
 
-__all__ = ["BOUNDED", "BUFFERS", "BufferState", "QueueDrop", "QueueMax", "Slot",
+__all__ = ["BOUNDED", "BUFFERS", "BufferState", "QueueDrop", "QueueMax", "SharedBuffer", "Slot",
            "StaleFlowBuffers", "StalenessBuffer", "Taken", "make_buffer"]
