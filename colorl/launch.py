@@ -55,8 +55,9 @@ def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, erro
         init_process_group(rank, world, port, device, timeout_s)
         target(rank, world, *args)
     except BaseException as exc:  # report anything, including KeyboardInterrupt, then exit non-zero
-        Path(error_dir, f"rank{rank}.txt").write_text(
-            f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", encoding="utf-8")
+        # an error raised for another thread carries that thread's traceback: the one worth showing
+        trace = getattr(exc, "thread_traceback", None) or traceback.format_exc()
+        Path(error_dir, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n\n{trace}", encoding="utf-8")
         os._exit(1)
     import torch.distributed as dist
 

@@ -24,9 +24,10 @@ def run_colocated(ctx, stop) -> None:
         times = StepTimes()
         ctx.display.phase("rollout")
         engine.wake()
-        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        indices = list(ctx.problem_indices(ctx.state.step))
+        problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
-                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
         engine.sleep(cfg.engine.sleep_level)
         times.rollout = time.perf_counter() - times.start
 

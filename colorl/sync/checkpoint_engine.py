@@ -241,7 +241,14 @@ class CheckpointEngine:
         """At an engine step boundary (rollout thread): apply the newest published version, if any."""
         with self._lock:
             staged, self._pending = self._pending, None
-        return staged.apply(engine) if staged is not None else None
+        if staged is None:
+            return None
+        stats = staged.apply(engine)
+        if any(flat.is_cuda for _, flat in staged.buckets[:1]):
+            # the buckets were allocated on the trainer's stream and are freed with `staged`: the
+            # copies queued on this (rollout) stream must be done before the allocator reuses them
+            torch.cuda.current_stream().synchronize()
+        return stats
 
     @property
     def pending_version(self) -> int | None:
