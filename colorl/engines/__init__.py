@@ -20,7 +20,13 @@ def _native(model_dir, engine_cfg, device, dtype) -> Engine:
     return NativeEngine(model_dir, engine_cfg, device, dtype)
 
 
-ENGINES = {"hf": _hf, "native": _native}
+def _sglang(model_dir, engine_cfg, device, dtype) -> Engine:
+    from colorl.engines.sglang import SGLangEngine
+
+    return SGLangEngine(model_dir, engine_cfg, device, dtype)
+
+
+ENGINES = {"hf": _hf, "native": _native, "sglang": _sglang}
 
 
 def build_engine(name: str, model_dir: Path, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Engine:
