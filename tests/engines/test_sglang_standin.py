@@ -24,7 +24,7 @@ standin = sys.modules.setdefault("sglang_standin", importlib.util.module_from_sp
 _spec.loader.exec_module(standin)
 
 PARAMS = SamplingParams(temperature=0.8, max_new_tokens=6, seed=3)
-LONG = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=5)
+LONG = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=5)
 SMALL_BUCKETS = SyncConfig(bucket_mb=0.02)
 
 
@@ -134,7 +134,7 @@ def test_sleep_levels_release_and_resume_by_tag(engine, trained):
 def test_interrupt_hands_back_partial_tokens_and_abort_drops(engine):
     for rid in ("a", "b", "c"):
         engine.add(request(rid, LONG))
-    for _ in range(12):
+    for _ in range(6):
         assert engine.step() == []
     (partial,) = engine.interrupt(["a"])
     assert partial.finish_reason == "interrupt" and 0 < len(partial.output_ids) < LONG.max_new_tokens
@@ -156,7 +156,7 @@ def test_in_flight_update_pauses_in_place_and_stamps_token_versions(engine, trai
     sync.sync(engine, 1)
     engine.add(request("x", LONG))
     engine.add(request("y", LONG, prompt=(9, 10)))
-    for _ in range(10):
+    for _ in range(6):
         engine.step()
     fake(engine).calls.clear()
     with torch.no_grad():
@@ -178,4 +178,4 @@ def test_in_flight_update_pauses_in_place_and_stamps_token_versions(engine, trai
         before += k
         tail = reference_logprobs(trained, result.prompt_ids + result.output_ids[:k], result.output_ids[k:], 1.0)
         assert result.logprobs[k:] == pytest.approx(tail, abs=1e-5)  # sampled by the new weights
-    assert before >= 10  # every step brought at least one token, all under version 1
+    assert before >= 6  # every step brought at least one token, all under version 1
