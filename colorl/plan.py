@@ -172,10 +172,11 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     b = DTYPE_BYTES[cfg.train.mixed_precision] if cfg.train.mixed_precision else w
     lora = cfg.model.lora is not None
     trainable = arch.lora_params if lora else arch.params
+    a = 4 if lora else w  # peft keeps adapters in float32 over a 16-bit base
     trainer_params = arch.params + arch.lora_params
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     per_rank_concurrency = min(cfg.engine.max_num_seqs, -(-cfg.rollout.concurrency // world))
-    weights = -(-trainer_params * w // world)
+    weights = -(-(arch.params * w + arch.lora_params * 4) // world)
     reference = weights if cfg.loss.kl_coef > 0 and not lora else 0
     engine_weights = arch.params * w
     if cfg.engine.num_blocks and cfg.rollout.engine == "native":
@@ -190,8 +191,8 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     lines = [
         Line("trainer weights", weights, f"{trainer_params / 1e9:.2f}B params x {w} B / {world} ranks"),
         Line("reference model", reference, "loss.kl_coef > 0" if reference else ""),
-        Line("gradients", -(-trainable * w // world), f"{trainable / 1e9:.3f}B trainable / {world} ranks"),
-        Line("optimizer state", -(-2 * trainable * w // world),
+        Line("gradients", -(-trainable * a // world), f"{trainable / 1e9:.3f}B trainable x {a} B / {world} ranks"),
+        Line("optimizer state", -(-2 * trainable * a // world),
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
         Line("activations", cfg.train.micro_batch * seq * arch.activation_bytes_per_token(b),
              f"train.micro_batch={cfg.train.micro_batch} x {seq} tokens"),

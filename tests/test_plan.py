@@ -54,19 +54,20 @@ def test_lora_count_agrees_with_peft():
 
 
 def test_per_device_lines_by_hand():
-    cfg = gpu_config()  # 8 ranks, bf16, micro_batch 4, max_new_tokens 1024, memory_fraction 0.5
+    # 8 ranks, float32 weights with bf16 compute, micro_batch 4, max_new_tokens 1024, memory_fraction 0.5
+    cfg = gpu_config()
     arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
     memory, prompt = 80 * GiB, 200
     plan = plan_memory(cfg, arch, memory, prompt)
     lines = {name: line.bytes for name, line in plan.lines.items()}
     p = arch.params
-    assert lines["trainer weights"] == -(-p * 2 // 8) and lines["gradients"] == -(-p * 2 // 8)
-    assert lines["optimizer state"] == -(-2 * p * 2 // 8)
-    assert lines["engine weights"] == 2 * p
-    assert lines["engine KV cache"] == int(0.5 * memory) - lines["trainer weights"] - 2 * p
-    assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 2)  # 2 kv heads of 128, bf16
+    assert lines["trainer weights"] == -(-p * 4 // 8) and lines["gradients"] == -(-p * 4 // 8)
+    assert lines["optimizer state"] == -(-2 * p * 4 // 8)
+    assert lines["engine weights"] == 4 * p
+    assert lines["engine KV cache"] == int(0.5 * memory) - lines["trainer weights"] - 4 * p
+    assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 4)  # 2 kv heads of 128, float32
     h, i, v = 1536, 8960, 151936
-    norm = (8 + 4) * h  # bf16: input, float32 copy, normalised, cast back
+    norm = (8 + 4) * h  # bf16 compute: input, float32 copy, normalised, cast back
     per_token = 28 * (2 * norm + 8 * h + 8 * i) + norm + 2 * h + 18 * v
     assert lines["activations"] == 4 * (prompt + 1024) * per_token
     rollout, train, sync = (plan.phase_bytes(phase) for phase in plan.phases)
@@ -171,3 +172,23 @@ def test_activation_estimate_against_a_measured_cpu_step(tmp_path):
     assert slope_planned == pytest.approx(slope_measured, rel=0.05)
     for layers in (2, 6):
         assert planned[layers] == pytest.approx(measured[layers], rel=0.15), (layers, planned, measured)
+
+
+@pytest.mark.cuda
+def test_cuda_run_logs_memory_per_phase_within_the_plan(tmp_path):
+    """On a GPU: metrics carry allocated/reserved/per-phase peaks, and the train phase's measured
+    peak stays under the plan's figure for it."""
+    from colorl.plan import plan_for_run
+    from colorl.models import resolve_model_path
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", "--device", "cuda", "--run-dir", str(run_dir)]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = {"cuda_allocated_gb", "cuda_reserved_gb", "cuda_peak_rollout_gb", "cuda_peak_train_gb", "cuda_peak_sync_gb"}
+    assert all(keys <= set(record) for record in records)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["launch.device=cuda"])
+    plan = plan_for_run(cfg, resolve_model_path(cfg.model.path), torch.cuda.get_device_properties(0).total_memory)
+    train = next(p for p in plan.phases if p.name == "train")
+    assert max(r["cuda_peak_train_gb"] for r in records) * GiB <= plan.phase_bytes(train)

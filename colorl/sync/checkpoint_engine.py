@@ -202,7 +202,9 @@ class CheckpointEngine:
         adapters = self._plan.full_specs()
         for target in self._lora:
             w0, a, b = self._engine_specs[target.engine_name], adapters[target.a_name], adapters[target.b_name]
-            if w0.shape != (b.shape[0], a.shape[1]) or not w0.dtype == a.dtype == b.dtype:
+            # peft keeps adapters in float32 over a bf16/fp16 base (autocast_adapter_dtype): the
+            # merge computes in the adapters' dtype and rounds once into the engine's
+            if w0.shape != (b.shape[0], a.shape[1]) or a.dtype != b.dtype:
                 raise NameMapError(
                     f"LoRA target {target.engine_name} is {w0} in the engine but B @ A is "
                     f"{TensorSpec((b.shape[0], a.shape[1]), a.dtype)}"

@@ -179,3 +179,25 @@ def test_in_flight_update_pauses_in_place_and_stamps_token_versions(engine, trai
         tail = reference_logprobs(trained, result.prompt_ids + result.output_ids[:k], result.output_ids[k:], 1.0)
         assert result.logprobs[k:] == pytest.approx(tail, abs=1e-5)  # sampled by the new weights
     assert before >= 6  # every step brought at least one token, all under version 1
+
+
+def test_bf16_lora_merges_float32_adapters_into_bf16_engine_weights(model_dir, monkeypatch):
+    """The 7B LoRA example's case: a bf16 base with peft's float32 adapters."""
+    from colorl.config import LoraConfig
+    from colorl.train.policy import apply_lora
+
+    standin.install(monkeypatch)
+    engine = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.bfloat16)
+    lora = LoraConfig(r=4, alpha=8)
+    model = apply_lora(load_model(model_dir, torch.bfloat16), lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    sync = CheckpointEngine(model, engine, SMALL_BUCKETS, lora)
+    sync.sync(engine, 1)
+    merged = {name: p.float() for name, p in model.merge_and_unload().named_parameters()}
+    for name, p in fake(engine).model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.allclose(p.float(), merged[name], rtol=1e-2, atol=1e-2), name
+    engine.shutdown()
