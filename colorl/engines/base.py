@@ -66,6 +66,8 @@ class Engine(ABC):
     """A rollout engine. Weights use Hugging Face parameter names."""
 
     version: int = 0
+    # In-flight weight updates keep running requests' KV cache (PipelineRL style); False: re-prefill
+    keeps_kv_across_updates: bool = False
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...

@@ -129,6 +129,10 @@ class SGLangEngine(Engine):
     # -- requests --------------------------------------------------------------------------------
 
     def add(self, request: GenerationRequest) -> None:
+        # loads that set no version (the checkpoint engine's start-up load of LoRA base weights)
+        # leave the update open until here
+        self._close_session()
+        self._resume()
         p = request.params
         params = {"temperature": p.temperature, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
                   "max_new_tokens": p.max_new_tokens - len(request.output_ids),
@@ -244,6 +248,14 @@ class SGLangEngine(Engine):
     @version.setter
     def version(self, value: int) -> None:
         """The checkpoint engine sets the version after the last bucket: close the update there."""
+        self._close_session()
+        if value != self._version:
+            self._run(self._tm.update_weight_version(
+                self._io.UpdateWeightVersionReqInput(new_version=str(value), abort_all_requests=False)))
+        self._version = value
+        self._resume()
+
+    def _close_session(self) -> None:
         if self._updating:
             ok, message = self._engine.end_weight_update()
             if not ok:
@@ -251,10 +263,8 @@ class SGLangEngine(Engine):
             self._updating = False
             if not self._live and "kv_cache" not in self._released:
                 self._engine.flush_cache()  # prefixes cached under the old weights
-        if value != self._version:
-            self._run(self._tm.update_weight_version(
-                self._io.UpdateWeightVersionReqInput(new_version=str(value), abort_all_requests=False)))
-        self._version = value
+
+    def _resume(self) -> None:
         if self._paused:
             self._run(self._tm.continue_generation(self._io.ContinueGenerationReqInput()))
             self._paused = False
