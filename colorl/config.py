@@ -170,8 +170,6 @@ class Config(Section):
                              "(the queues already over-draw: they drop or discard groups)")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
-        if self.rollout.engine == "sglang":
-            raise ValueError("rollout.engine=sglang: the SGLang adapter is not in this version; use native or hf")
         return self
 
     @property

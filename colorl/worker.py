@@ -226,7 +226,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
-              f"resume={resume}", all_ranks=True)
+              f"resume={resume} sync={weight_sync.transport}", all_ranks=True)
     return ctx
 
 

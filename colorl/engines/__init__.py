@@ -9,7 +9,8 @@ import torch
 from colorl.engines.base import Engine
 
 # name -> "module:Class"; a backend's module is imported only when that backend is used
-ENGINES = {"hf": "colorl.engines.hf:HFEngine", "native": "colorl.engines.native.engine:NativeEngine"}
+ENGINES = {"hf": "colorl.engines.hf:HFEngine", "native": "colorl.engines.native.engine:NativeEngine",
+           "sglang": "colorl.engines.sglang:SGLangEngine"}
 
 
 def engine_class(name: str) -> type[Engine]:

@@ -30,6 +30,7 @@ def run_colocated(ctx, stop) -> None:
                                 ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
         engine.sleep(cfg.engine.sleep_level)
         times.rollout = time.perf_counter() - times.start
+        times.phase_done("rollout")
 
         ctx.display.phase("train")
         trainer.onload()
@@ -38,10 +39,12 @@ def run_colocated(ctx, stop) -> None:
         train_stats = trainer.train_step(batch)
         trainer.offload()
         times.train = time.perf_counter() - times.start - times.rollout
+        times.phase_done("train")
 
         ctx.display.phase("sync")
         sync_stats = ctx.weight_sync.sync(engine, ctx.state.version + 1)
         times.sync = time.perf_counter() - times.start - times.rollout - times.train
+        times.phase_done("sync")
 
         ctx.state.step += 1
         ctx.state.version += 1

@@ -22,6 +22,25 @@ class StepTimes:
     train: float = 0.0
     sync: float = 0.0
     trainer_wait: float = 0.0
+    cuda_peaks: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes allocated (CUDA only)
+
+    def phase_done(self, name: str) -> None:
+        """On CUDA: note the phase's peak allocation and start the next phase's from zero."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda_peaks[name] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_memory(times: StepTimes) -> dict:
+    """Allocated, reserved and per-phase peak memory of the device in GiB (max over ranks); {} on CPU."""
+    if not times.cuda_peaks:
+        return {}
+    names = sorted(times.cuda_peaks)
+    values = _reduce([torch.cuda.memory_allocated(), torch.cuda.memory_reserved()]
+                     + [times.cuda_peaks[n] for n in names], dist.ReduceOp.MAX)
+    gib = [v / 2**30 for v in values]
+    return {"cuda_allocated_gb": gib[0], "cuda_reserved_gb": gib[1],
+            **{f"cuda_peak_{name}_gb": value for name, value in zip(names, gib[2:])}}
 
 
 def _reduce(values: list[float], op) -> list[float]:
@@ -105,4 +124,5 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,
         "trained_problems": _gather([g.problem_index for g in groups]),
+        **cuda_memory(times),
     }
