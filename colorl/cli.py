@@ -63,14 +63,18 @@ def cmd_train(args) -> int:
         device = _check_devices(cfg.launch.device, cfg.launch.nproc)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import latest_step
+    from colorl.train.checkpoint import CheckpointUnusable, latest_step, resume_step
     from colorl.worker import prepare_run_dir, run_rank
 
-    if args.resume and latest_step(run_dir) is None:
-        return fail(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    args.resume = args.resume or args.resume_from_last_good
     try:
         preflight(cfg)
-    except (ConfigError, ValueError) as exc:
+        if args.resume:
+            step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
+            for note in notes:
+                print(f"colorl: {note}", file=sys.stderr)
+            print(f"colorl: resuming from checkpoint step_{step}", file=sys.stderr)
+    except (ConfigError, CheckpointUnusable, ValueError) as exc:
         return fail(str(exc))
     try:
         prepare_run_dir(cfg, run_dir, args.resume)
@@ -89,6 +93,9 @@ def cmd_train(args) -> int:
         return 0
     if failure.interrupted:
         return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", 130)
+    if "\n" not in failure.error.strip():  # a fault the run explained itself: its message is the report
+        return fail(f"run failed on rank {failure.rank}: {failure.error.strip()}; run directory kept: {run_dir}",
+                    EXIT_RUN_FAILED)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
 
@@ -144,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.add_argument("--run-dir", help="default: run.dir/run.name")
     train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--resume-from-last-good", action="store_true",
+                       help="like --resume, but set damaged newer checkpoints aside and use the newest usable one")
     train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config")
     train.set_defaults(func=cmd_train)
 
