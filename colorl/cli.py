@@ -25,7 +25,9 @@ def _quiet_libraries() -> None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"colorl: error: {message}", file=sys.stderr)
+    """One line on stderr whatever the message quotes (user text may hold line breaks or controls)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"colorl: error: {line}", file=sys.stderr)
     return code
 
 
@@ -140,8 +142,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line like every other bad input."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="colorl", description="single-node GRPO trainer")
+    parser = _Parser(prog="colorl", description="single-node GRPO trainer")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO training from a YAML config")
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
+    except SystemExit as exc:  # argparse printed its one-line usage error, or --help
         return int(exc.code or 0) and EXIT_BAD_INPUT
     try:
         return args.func(args)

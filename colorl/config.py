@@ -29,7 +29,7 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = "run"
     dir: str = "runs"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # torch and the samplers take 32-bit seeds without overflow
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=0)  # 0: only at the end
     keep_checkpoints: int = Field(0, ge=0)  # newest N kept after each save; 0: keep all
@@ -188,7 +188,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
 
 def read_config_file(file: Path) -> dict[str, Any]:
     """The YAML mapping of a config file; one-line ConfigError for anything else."""
-    if not file.is_file():
+    if not _is_file(file):
         raise ConfigError(f"config file not found: {file}")
     text = read_text(file, ConfigError)
     raw = _parse_yaml(text, f"{file}:", ConfigError)
@@ -222,6 +222,13 @@ def _parse_yaml(text: str, where: str, error: type[Exception]) -> Any:
         raise error(f"{where}{line} is not valid YAML ({problem})") from None
     except RecursionError:
         raise error(f"{where} is nested too deeply to be a config") from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. a name too long for the file system: not a file we can use
+        return False
 
 
 def _names_model(raw: dict[str, Any]) -> bool:
@@ -302,14 +309,18 @@ def check_external(config: Config) -> None:
 
     try:
         check_model_path(config.model.path)
+        folder = Path(config.model.path).expanduser()
+        local = (folder / "config.json").is_file()
     except ModelNotFound as exc:
         raise ConfigError(str(exc)) from None
-    folder = Path(config.model.path).expanduser()
-    if (folder / "config.json").is_file():
+    except (OSError, RuntimeError) as exc:  # a name too long for the file system, `~user` of no such user
+        raise ConfigError(f"model.path={config.model.path!r}: not a usable path "
+                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    if local:
         check_model_folder(folder, config.rollout.engine)
     for key in ("path", "eval_path"):
         value = getattr(config.task, key)
-        if value and not Path(value).is_file():
+        if value and not _is_file(Path(value)):
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)
