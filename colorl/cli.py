@@ -26,7 +26,9 @@ def _quiet_libraries() -> None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"colorl: error: {message}", file=sys.stderr)
+    """One line on stderr whatever the message quotes (user text may hold line breaks or controls)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"colorl: error: {line}", file=sys.stderr)
     return code
 
 
@@ -79,13 +81,18 @@ def cmd_train(args) -> int:
         device = _check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import latest_step
+    from colorl.train.checkpoint import CheckpointUnusable, latest_step, resume_step
     from colorl.worker import prepare_run_dir, run_rank
 
+    args.resume = args.resume or args.resume_from_last_good
+
     def prepare() -> None:
-        if args.resume and latest_step(run_dir) is None:
-            raise ValueError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
         preflight(cfg, device)
+        if args.resume:
+            step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
+            for note in notes:
+                print(f"colorl: {note}", file=sys.stderr)
+            print(f"colorl: resuming from checkpoint step_{step}", file=sys.stderr)
         prepare_run_dir(cfg, run_dir, args.resume)
 
     rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
@@ -108,6 +115,9 @@ def cmd_train(args) -> int:
         return 0
     if failure.interrupted:
         return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", 130)
+    if "\n" not in failure.error.strip():  # a fault the run explained itself: its message is the report
+        return fail(f"run failed on rank {failure.rank}: {failure.error.strip()}; run directory kept: {run_dir}",
+                    EXIT_RUN_FAILED)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
 
@@ -171,8 +181,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line like every other bad input."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="colorl", description="single-node GRPO trainer")
+    parser = _Parser(prog="colorl", description="single-node GRPO trainer")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO training from a YAML config")
@@ -182,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.add_argument("--run-dir", help="default: run.dir/run.name")
     train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--resume-from-last-good", action="store_true",
+                       help="like --resume, but set damaged newer checkpoints aside and use the newest usable one")
     train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config")
     train.set_defaults(func=cmd_train)
 
@@ -203,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
+    except SystemExit as exc:  # argparse printed its one-line usage error, or --help
         return int(exc.code or 0) and EXIT_BAD_INPUT
     try:
         return args.func(args)

@@ -1,12 +1,18 @@
 """Spawn one worker per device and watch them: any rank failing stops all of them, quickly.
 Under torchrun (multi-node), `run_in_place` runs this process's own rank instead.
 
-Failure handling: a rank that raises writes its traceback to a file and exits 1; a rank that dies
-(killed, OOM) just exits. The parent notices within a poll interval, sends SIGTERM to the rest,
-SIGKILL after a grace period, and prints the failing rank's error as one block.
+Failure handling: a rank that raises writes its traceback to a file and exits 1 (a `RunFault` or a
+full disk: only its one-line message); a rank that dies (killed, OOM) just exits. The parent notices
+within a poll interval, sends SIGTERM to the rest, SIGKILL after a grace period, and prints the
+failing rank's error as one block.
+
+Stopping: Ctrl-C or SIGTERM to the launcher asks every rank to save a checkpoint at its next step
+boundary and exit. After SIGTERM (sent by schedulers, which follow it with SIGKILL) the ranks get
+`STOP_GRACE_S`; a rank still running then is killed, and the newest complete checkpoint stands.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -22,6 +28,15 @@ import torch.multiprocessing as mp
 
 POLL_S = 0.2
 GRACE_S = 10.0
+STOP_GRACE_S = 20.0
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminated
 
 
 @dataclass
@@ -56,14 +71,25 @@ def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, erro
         init_process_group(rank, world, port, device, timeout_s)
         target(rank, world, *args)
     except BaseException as exc:  # report anything, including KeyboardInterrupt, then exit non-zero
-        # an error raised for another thread carries that thread's traceback: the one worth showing
-        trace = getattr(exc, "thread_traceback", None) or traceback.format_exc()
-        Path(error_dir, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n\n{trace}", encoding="utf-8")
+        Path(error_dir, f"rank{rank}.txt").write_text(_report(exc), encoding="utf-8")
         os._exit(1)
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _report(exc: BaseException) -> str:
+    """What the user sees: the message alone for faults the run explains, else the traceback too."""
+    from colorl.faults import RunFault
+
+    if isinstance(exc, RunFault):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"no space left on device while writing {exc.filename or 'a file'}: free some space, then --resume"
+    # an error raised for another thread carries that thread's traceback: the one worth showing
+    trace = getattr(exc, "thread_traceback", None) or traceback.format_exc()
+    return f"{type(exc).__name__}: {exc}\n\n{trace}"
 
 
 def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600) -> RankFailure | None:
@@ -77,7 +103,8 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
              for r in range(nproc)]
     for proc in procs:
         proc.start()
-    interrupted = False
+    interrupted, stop_deadline = False, None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         while True:
             try:
@@ -88,19 +115,27 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
                     return failure
                 if all(p.exitcode == 0 for p in procs):
                     return None
-                time.sleep(POLL_S)
-            except KeyboardInterrupt:
-                if interrupted:  # second Ctrl-C: stop now
+                if stop_deadline is not None and time.monotonic() > stop_deadline:
                     _stop_all(procs, grace_s=0)
-                    return RankFailure(0, None, "ranks killed on a second Ctrl-C, without a final checkpoint",
+                    return RankFailure(0, None, f"ranks killed {STOP_GRACE_S:.0f} s after SIGTERM, before their step "
+                                                "ended; the newest complete checkpoint stands", interrupted=True)
+                time.sleep(POLL_S)
+            except (KeyboardInterrupt, _Terminated) as exc:
+                if interrupted:  # a second Ctrl-C or SIGTERM: stop now
+                    _stop_all(procs, grace_s=0)
+                    return RankFailure(0, None, "ranks killed on a second stop request, without a final checkpoint",
                                        interrupted=True)
                 interrupted = True
-                print("colorl: stopping after the current step (a checkpoint is saved); Ctrl-C again to stop now",
-                      file=sys.stderr, flush=True)
+                how = "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C"
+                if isinstance(exc, _Terminated):
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                print(f"colorl: {how}: stopping after the current step (a checkpoint is saved); "
+                      f"{how} again to stop now", file=sys.stderr, flush=True)
                 for proc in procs:  # ranks save a checkpoint at the next step boundary and exit
                     if proc.is_alive():
                         os.kill(proc.pid, signal.SIGINT)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in procs:
             proc.join(timeout=1)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colorl import faults
 from colorl.config import Config, dump_config, resolve_reward
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
@@ -51,6 +52,7 @@ class RankContext:
     metrics: MetricsWriter | None
     display: Display
     stop_ids: tuple[int, ...]
+    nonfinite: faults.NonFiniteGuard
     resumed_from: int | None = None  # checkpoint step the run resumed from
     history: list[dict] = field(default_factory=list)
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
@@ -97,6 +99,7 @@ class RankContext:
         every = self.cfg.run.eval_every
         if not every or self.state.step % every:
             return None
+        faults.point("eval", self.state.step)
         problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
         if run_eval is None:
             self.engine.wake()
@@ -118,6 +121,21 @@ class RankContext:
         if accuracy is not None:
             self.event(f"eval_accuracy step=0 {accuracy:.4f}")
             self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+
+    def check_numerics(self, train, rollout_state=None) -> None:
+        """After a step is logged: the Nth non-finite loss or gradient norm in a row saves the last
+        good step as the newest checkpoint and stops the run, saying why.
+        rollout_state: bounded-lag mode's snapshot function, for that checkpoint."""
+        last_good = self.nonfinite.observe(train.loss, train.grad_norm, self.state)
+        if last_good is None:
+            return
+        first_bad, limit = self.state.step - self.nonfinite.limit + 1, self.nonfinite.limit
+        self.state = last_good
+        self.save(rollout_state() if rollout_state is not None else None)
+        raise faults.RunFault(
+            f"stopped: {limit} non-finite losses or gradient norms in a row (steps {first_bad}-{first_bad + limit - 1}, "
+            f"train.max_nonfinite_in_a_row={limit}); checkpoint step_{last_good.step} holds the last good step: "
+            f"lower train.lr or check the rewards, then --resume")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -221,8 +239,9 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
     metrics = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine}", enabled=rank == 0)
+    nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
-                      weight_sync, state, metrics, display, stop_ids, resumed_from=step)
+                      weight_sync, state, metrics, display, stop_ids, nonfinite, resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 
+from colorl import faults
 from colorl.buffer import make_buffer
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.producer import RolloutProducer
@@ -50,19 +51,25 @@ def run_bounded_lag(ctx, stop) -> None:
             groups, window, times.trainer_wait = producer.take_batch(
                 ctx.state.version, on_wait=lambda: ctx.display.loops(producer.status))
 
+            times.phase_done("wait")
+
             ctx.display.phase("train")
             trainer.onload()
+            faults.point("train", ctx.state.step + 1)
             started = time.perf_counter()
             batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id)
             train_stats = trainer.train_step(batch)
             trainer.offload()
             times.train = time.perf_counter() - started
+            times.phase_done("train")
 
             ctx.display.phase("publish")
+            faults.point("sync", ctx.state.step + 1)
             started = time.perf_counter()
             sync_stats = ctx.weight_sync.publish(ctx.state.version + 1).stats
             producer.notify()  # the rollout thread applies it at its next engine step boundary
             times.sync, times.rollout = time.perf_counter() - started, window.busy_s
+            times.phase_done("publish")
 
             ctx.state.step += 1
             ctx.state.version += 1
@@ -70,6 +77,7 @@ def run_bounded_lag(ctx, stop) -> None:
             record = step_record(ctx, groups, train_stats, sync_stats, times,
                                  trained_version=ctx.state.version - 1, window=window)
             ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate(producer.evaluate)})
+            ctx.check_numerics(train_stats, producer.snapshot)
             stopping = stop.agreed()
             if stopping or ctx.should_save():
                 ctx.save(rollout_state=producer.snapshot())

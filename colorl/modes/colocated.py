@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from colorl import faults
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.collect import collect_groups
 from colorl.train.batch import build_batch
@@ -24,6 +25,7 @@ def run_colocated(ctx, stop) -> None:
         times = StepTimes()
         ctx.display.phase("rollout")
         engine.wake()
+        faults.point("rollout", ctx.state.step + 1)
         indices = list(ctx.problem_indices(ctx.state.step))
         problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
@@ -34,6 +36,7 @@ def run_colocated(ctx, stop) -> None:
 
         ctx.display.phase("train")
         trainer.onload()
+        faults.point("train", ctx.state.step + 1)
         batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id,
                             drop_zero_variance=cfg.filter.zero_variance)
         train_stats = trainer.train_step(batch)
@@ -42,6 +45,7 @@ def run_colocated(ctx, stop) -> None:
         times.phase_done("train")
 
         ctx.display.phase("sync")
+        faults.point("sync", ctx.state.step + 1)
         sync_stats = ctx.weight_sync.sync(engine, ctx.state.version + 1)
         times.sync = time.perf_counter() - times.start - times.rollout - times.train
         times.phase_done("sync")
@@ -51,6 +55,7 @@ def run_colocated(ctx, stop) -> None:
         ctx.state.data_position += cfg.rollout.batch_groups
         record = step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1)
         ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate()})
+        ctx.check_numerics(train_stats)
         stopping = stop.agreed()
         if stopping or ctx.should_save():
             ctx.save()
