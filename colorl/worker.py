@@ -102,10 +102,11 @@ class RankContext:
 
     def report_initial_eval(self) -> None:
         """The baseline the periodic evals compare against, shown before the first step."""
+        self.display.phase("held-out eval before step 1")
         accuracy = self.maybe_evaluate()
         if accuracy is not None:
             self.event(f"eval_accuracy step=0 {accuracy:.4f}")
-            self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+            self.display.initial_accuracy(accuracy)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
