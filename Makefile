@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 
-.PHONY: setup quickstart test test-all bench clean
+.PHONY: setup quickstart test test-all bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+docs: setup
+	$(BIN)/python -m colorl.config_reference
 
 clean:
 	rm -rf $(VENV) runs

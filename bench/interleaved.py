@@ -41,8 +41,12 @@ def run_once(config: str, steps: int, extra: list[str], run_dir: Path) -> dict:
     command = [sys.executable, "-m", "colorl", "train", config, "--run-dir", str(run_dir),
                "--set", f"run.steps={steps}", "--set", "run.save_every=0", "--set", "run.eval_every=0", *args]
     start = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)  # rusage covers the ranks the launcher waited for
+    proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(command)} exited with {proc.returncode}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:] or records
     return {
@@ -51,6 +55,7 @@ def run_once(config: str, steps: int, extra: list[str], run_dir: Path) -> dict:
         "train_s": statistics.median(r["time_train_s"] for r in timed),
         "rollout_s": statistics.median(r["time_rollout_s"] for r in timed),
         "first_step_s": records[0]["time_step_s"],
+        "peak_rss_gb": usage.ru_maxrss / 1e6,  # largest process of the run (kB -> GB)
     }
 
 
@@ -73,7 +78,8 @@ def main() -> int:
                 print(f"repeat {repeat + 1}/{args.repeats} {label}: {runs[label][-1]}", flush=True)
     base = variants[0][0]
     rows = {}
-    print(f"\n{'variant':22}{'step s median':>14}{'range':>16}{'train s':>9}{'rollout s':>10}{'step ratio':>18}")
+    print(f"\n{'variant':22}{'step s median':>14}{'range':>16}{'train s':>9}{'rollout s':>10}{'step ratio':>18}"
+          f"{'peak GB':>9}")
     for label, _ in variants:
         steps = [r["step_s"] for r in runs[label]]
         ratios = [b["step_s"] / r["step_s"] for b, r in zip(runs[base], runs[label])]
@@ -84,7 +90,7 @@ def main() -> int:
                        "speedup_vs_baseline": [min(ratios), max(ratios)]}
         print(f"{label:22}{rows[label]['step_s_median']:>14.2f}{min(steps):>8.2f}–{max(steps):<7.2f}"
               f"{rows[label]['train_s_median']:>9.2f}{rows[label]['rollout_s_median']:>10.2f}"
-              f"{min(ratios):>11.2f}–{max(ratios):.2f}×")
+              f"{min(ratios):>11.2f}–{max(ratios):.2f}×{max(r['peak_rss_gb'] for r in runs[label]):>9.1f}")
     out = ROOT / "bench" / "results" / f"interleaved_{args.name}.json"
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "config": args.config, "steps": args.steps,
                                "repeats": args.repeats, "baseline": base, "load_avg_1m": load,
