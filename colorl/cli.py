@@ -44,6 +44,7 @@ def _check_devices(requested: str, nproc: int) -> str:
 
 
 def cmd_train(args) -> int:
+    started = time.perf_counter()
     from colorl.config import ConfigError, dump_config, load_config
     from colorl.tasks import TaskOptionError, build_task
 
@@ -68,10 +69,8 @@ def cmd_train(args) -> int:
         device = _check_devices(cfg.launch.device, cfg.launch.nproc)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import latest_step
     from colorl.worker import prepare_run_dir, run_rank
 
-    started = time.perf_counter()
     if args.resume:
         problem = check_resume(cfg, run_dir, args.force)
         if problem:
