@@ -12,7 +12,6 @@ start when no row is usable, and `skipped` says how many were left out otherwise
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,11 +23,11 @@ SHOWN_ROWS = 5
 
 
 def _datasets():
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a hub id must already be in the local cache
     try:
         import datasets
     except ImportError:
         raise DatasetError("task.name=hf_dataset needs the `datasets` package: pip install 'colorl[datasets]'") from None
+    datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True  # hub ids: local cache only
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets

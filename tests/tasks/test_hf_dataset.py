@@ -36,6 +36,8 @@ def test_save_to_disk_folder_with_train_and_test_splits(tmp_path):
     number = first.answer.rsplit("####", 1)[1].strip()
     assert task.reward(first.prompt, f"so the answer is \\boxed{{{number}}}", first.answer) == 1.0
     assert task.reward(first.prompt, "the answer is 12345", first.answer) == 0.0
+    with pytest.raises(TaskOptionError, match="cannot load"):  # offline: a hub id not in the local cache
+        _hf("nobody/no-such-dataset")
     with pytest.raises(TaskOptionError, match="no split 'validation'"):
         _hf(folder, split="validation", prompt_field="question", answer_field="solution")
 
