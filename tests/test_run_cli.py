@@ -35,6 +35,7 @@ def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capsys):
     assert written == ["length.png", "policy.png", "reward.png", "time.png"]  # colocated: no staleness chart
     assert all((tmp_path / "png" / name).read_bytes()[:4] == b"\x89PNG" for name in written)
     assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
 
     # a change that alters the data stream is refused, with the list of differences
     assert _train(run, "--set", "run.steps=3", "--set", "run.seed=5", "--set", "rollout.group_size=3",
