@@ -5,7 +5,7 @@ One file per question a user asks of a run:
 - length.png     how long are the answers? response length mean and max
 - time.png       where does a step's time go? rollout / train / sync / other, stacked
 - policy.png     is the update sane? IS weight, clipped and truncated fractions, KL(μ‖θ)
-- staleness.png  (bounded-lag runs) staleness measured vs predicted, max, pre-queue / in-queue
+- staleness.png  (runs with staleness) measured vs predicted: mean, max, pre-queue / in-queue vs PQS / IQS
 """
 from __future__ import annotations
 
@@ -119,8 +119,8 @@ def _staleness(plt, records: list[dict]):
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for key, label, style in (("staleness_mean", "measured mean", "o-"), ("staleness_pred", "predicted", "-"),
                               ("staleness_max", "measured max", "x:"),
-                              ("staleness_pre_queue", "pre-queue (measured)", "--"),
-                              ("staleness_in_queue", "in-queue (measured)", "--")):
+                              ("pqs_measured", "pre-queue, measured", "--"), ("pqs_pred", "PQS, formula", ":"),
+                              ("iqs_measured", "in-queue, measured", "--"), ("iqs_pred", "IQS, formula", ":")):
         xs, ys = _series(records, key)
         if ys:
             ax.plot(xs, ys, style, label=label)

@@ -23,7 +23,7 @@ _SHOWN = (
     ("rollout s", "time_rollout_s", "{:.1f}"), ("train s", "time_train_s", "{:.1f}"),
     ("sync s", "time_sync_s", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
 )
-LABEL_WIDTH, VALUE_WIDTH = 18, 44  # fixed, so the panel does not change width as values change
+LABEL_WIDTH, VALUE_WIDTH = 18, 64  # fixed, so the panel does not change width as values change
 
 
 def _fmt(fmt: str, value) -> str:
