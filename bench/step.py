@@ -53,11 +53,11 @@ def write_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def config(workload: str, prompts: Path, run_dir: Path, precision: str | None) -> dict:
+def config(workload: str, prompts: Path, run_dir: Path, precision: str | None, model: str) -> dict:
     cfg = {
         "run": {"name": "bench-step", "dir": str(run_dir.parent), "seed": 0, "steps": 100, "save_every": 0,
                 "eval_every": 0},
-        "model": {"path": "smollm2-135m-instruct", "dtype": "float32"},
+        "model": {"path": model, "dtype": "float32"},
         "task": {"name": "jsonl", "path": str(prompts), "options": {"eval_fraction": 0.0}},
         "rollout": {"engine": "native", "group_size": 4, "batch_groups": 8, "temperature": 1.0, "concurrency": 32},
         "train": {"lr": 2.0e-5, "grad_clip": 1.0, "mixed_precision": precision},
@@ -170,7 +170,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
 
 # -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
 
-def run_trl(steps: int, prompts: Path, out: Path, precision: str | None) -> None:
+def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_path: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -179,7 +179,7 @@ def run_trl(steps: int, prompts: Path, out: Path, precision: str | None) -> None
     from colorl.models import resolve_model_path
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = resolve_model_path("smollm2-135m-instruct")
+    model_dir = resolve_model_path(model_path)
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                               for r in rows[: 8 * steps]])
@@ -218,6 +218,33 @@ def run_trl(steps: int, prompts: Path, out: Path, precision: str | None) -> None
     out.write_text(json.dumps({"steps": timings}))
 
 
+# -- the LM-head chunk size (train.logits_chunk_tokens) ---------------------------------------------
+
+def chunk_sweep(out: Path, tokens: int = 1536, hidden: int = 576, vocab: int = 49152) -> None:
+    """Forward + backward of the sampled-token head at SmolLM2's shapes, per chunk size: time, peak."""
+    import torch
+
+    from colorl.train.head import SampledTokenHead
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    weight = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,))
+    rows = []
+    for repeat in range(2):
+        for chunk in (256, 512, 1024, 2048):
+            h = torch.randn(tokens, hidden, requires_grad=True)
+            weight.grad = None
+            reset_peak()
+            base = peak_mb()
+            started = time.perf_counter()
+            logp, _ = SampledTokenHead.apply(h, weight, targets, 1.0, chunk)
+            logp.sum().backward()
+            rows.append({"repeat": repeat, "chunk": chunk, "seconds": time.perf_counter() - started,
+                         "peak_above_start_mb": peak_mb() - base})
+    out.write_text(json.dumps({"tokens": tokens, "rows": rows}))
+
+
 # -- the parent: interleaved runs, table, JSON -------------------------------------------------------
 
 def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
@@ -229,6 +256,15 @@ def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
         subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)], env=env,
                        check=True, cwd=tree, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
+
+
+def try_spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
+    """TRL is someone else's code: a failure there is reported, not fatal to the colorl figures."""
+    try:
+        return spawn(tree, argv, extra_path)
+    except subprocess.CalledProcessError as exc:
+        print(f"TRL run failed (exit {exc.returncode})", file=sys.stderr)
+        return {"steps": [{"step_s": float("nan"), "step_peak_mb": float("nan"), "completion_tokens": float("nan")}]}
 
 
 def before_tree(ref: str, tmp: Path) -> Path:
@@ -259,8 +295,10 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--before", default=BEFORE, help="git ref of the padded trainer")
     parser.add_argument("--precision", default=None, choices=["bfloat16"], help="train.mixed_precision")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model.path (tiny-random-llama: smoke test)")
     parser.add_argument("--trl-site", default=None, help="folder with TRL installed (--target); none: skip TRL")
-    parser.add_argument("--worker", choices=["colorl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-sweep", action="store_true", help="time the LM-head chunk sizes and exit")
+    parser.add_argument("--worker", choices=["colorl", "trl", "chunks"], help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -268,8 +306,17 @@ def main() -> int:
     if args.worker == "colorl":
         run_worker(json.loads(args.config), args.steps, Path(args.out))
         return 0
+    if args.worker == "chunks":
+        chunk_sweep(Path(args.out))
+        return 0
+    if args.chunk_sweep:
+        sweep = spawn(ROOT, ["--worker", "chunks"])
+        for row in sweep["rows"]:
+            print(row)
+        (ROOT / "bench" / "results" / "step_chunks.json").write_text(json.dumps(sweep, indent=2))
+        return 0
     if args.worker == "trl":
-        run_trl(args.steps, Path(args.prompts), Path(args.out), args.precision)
+        run_trl(args.steps, Path(args.prompts), Path(args.out), args.precision, args.model)
         return 0
 
     results: dict[str, dict[str, list[dict]]] = {}
@@ -282,13 +329,14 @@ def main() -> int:
                 for workload in args.workloads:
                     for name, tree in trees.items():
                         cfg = config(workload, prompts, tmp / f"{name}-{workload}-{repeat}" / "bench-step",
-                                     args.precision)
+                                     args.precision, args.model)
                         run = spawn(tree, ["--worker", "colorl", "--steps", str(args.steps),
                                            "--config", json.dumps(cfg)])
                         results.setdefault(workload, {}).setdefault(name, []).append(summarise(run))
                         print(f"{workload} {name} repeat {repeat}: {results[workload][name][-1]}", flush=True)
                 if args.trl_site and "two_digit" in args.workloads:
-                    run = spawn(ROOT, ["--worker", "trl", "--steps", str(args.steps), "--prompts", str(prompts),
+                    run = try_spawn(ROOT, ["--worker", "trl", "--steps", str(args.steps), "--prompts", str(prompts),
+                                       "--model", args.model,
                                        *(["--precision", args.precision] if args.precision else [])], args.trl_site)
                     results.setdefault("two_digit", {}).setdefault("trl", []).append(summarise(run))
                     print(f"two_digit trl repeat {repeat}: {results['two_digit']['trl'][-1]}", flush=True)
