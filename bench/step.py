@@ -93,6 +93,67 @@ def matmul_rate(seconds: float = 1.0) -> float:
     return done * 2 * 2048**3 / (time.perf_counter() - started)
 
 
+def read_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes/s of summing a 512 MiB tensor: the memory-read rate bench/engine.py's decode floor uses."""
+    import torch
+
+    big = torch.ones(128 * 2**20)
+    big.sum()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        big.sum()
+        done += 1
+    return done * big.nbytes / (time.perf_counter() - started)
+
+
+class RolloutProfile:
+    """Times the native engine's model calls and sampler inside the real rollout, and the floor its
+    decode steps imply: (weights + KV of the batch) / read bandwidth per decode step (bench/engine.py's
+    floor), 2 x params x tokens / matmul rate per prefill token."""
+
+    def __init__(self, engine, bandwidth: float, rate: float) -> None:
+        from colorl.engines.native.model_runner import kv_bytes_per_block
+
+        self.engine, self.bandwidth, self.rate = engine, bandwidth, rate
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+        self.params = sum(t.numel() for t in engine.model.state_dict().values())
+        self.kv_per_token = kv_bytes_per_block(engine.spec, 1, engine.dtype)
+        self.model_s = self.sample_s = self.floor_s = 0.0
+        self.decode_steps = self.decode_rows = self.prefill_tokens = 0
+        run, sample = engine.runner.run, engine.sampler
+
+        def timed_run(batch):
+            started = time.perf_counter()
+            out = run(batch)
+            self.model_s += time.perf_counter() - started
+            decodes = [i for i in range(len(batch)) if batch.num_tokens[i] == 1]
+            prefill = sum(n for n in batch.num_tokens if n > 1)
+            if decodes:
+                self.decode_steps += 1
+                self.decode_rows += len(decodes)
+                context = sum(batch.starts[i] + 1 for i in decodes)
+                self.floor_s += (self.weight_bytes + context * self.kv_per_token) / self.bandwidth
+            self.prefill_tokens += prefill
+            self.floor_s += 2 * self.params * prefill / self.rate
+            return out
+
+        def timed_sample(logits, rows):
+            started = time.perf_counter()
+            out = sample(logits, rows)
+            self.sample_s += time.perf_counter() - started
+            return out
+
+        engine.runner.run, engine.sampler = timed_run, timed_sample
+
+    def take(self) -> dict:
+        row = {"rollout_model_s": self.model_s, "rollout_sample_s": self.sample_s, "rollout_floor_s": self.floor_s,
+               "decode_steps": self.decode_steps, "decode_batch_mean": self.decode_rows / max(self.decode_steps, 1),
+               "prefill_tokens": self.prefill_tokens}
+        self.model_s = self.sample_s = self.floor_s = 0.0
+        self.decode_steps = self.decode_rows = self.prefill_tokens = 0
+        return row
+
+
 def needed_flops(model, groups) -> float:
     """FLOPs the GRPO loss needs for one forward + backward over the batch (no padding, no prompt logits)."""
     cfg = model.config
@@ -119,7 +180,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     from colorl.worker import build_context, prepare_run_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
-    rate = matmul_rate()
+    rate, bandwidth = matmul_rate(), read_bandwidth()
     init_process_group(0, 1, free_port(), "cpu")
     cfg = validate(cfg_dict)
     run_dir = Path(cfg.run.dir) / cfg.run.name
@@ -127,6 +188,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     ctx = build_context(cfg, 0, 1, "cpu", run_dir, resume=False)
     engine, trainer = ctx.engine, ctx.trainer
     ctx.weight_sync.sync(engine, 0)
+    profile = RolloutProfile(engine, bandwidth, rate)
     setup_mb = peak_mb()
     records = []
     for step in range(steps):
@@ -139,6 +201,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
                                 ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
         engine.sleep(cfg.engine.sleep_level)
         row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()
+        row.update(profile.take())
 
         reset_peak()
         started = time.perf_counter()
@@ -165,7 +228,8 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         row["needed_gflop"] = needed_flops(trainer.model, groups) / 1e9
         records.append(row)
     dist.destroy_process_group()
-    out.write_text(json.dumps({"matmul_gflops": rate / 1e9, "setup_peak_mb": setup_mb, "steps": records}))
+    out.write_text(json.dumps({"matmul_gflops": rate / 1e9, "read_gb_s": bandwidth / 1e9, "setup_peak_mb": setup_mb,
+                               "steps": records}))
 
 
 # -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
@@ -284,6 +348,8 @@ def summarise(run: dict) -> dict:
         row["flop_utilisation"] = row["needed_gflop"] / row["train_s"] / run["matmul_gflops"]
         row["matmul_gflops"] = run["matmul_gflops"]
         row["setup_peak_mb"] = run["setup_peak_mb"]
+        row["read_gb_s"] = run["read_gb_s"]
+        row["rollout_over_floor"] = row["rollout_s"] / row["rollout_floor_s"]
     row["completion_tokens_per_s"] = row["completion_tokens"] / row["step_s"]
     return row
 
@@ -355,7 +421,7 @@ def print_table(results: dict) -> None:
     columns = [("step_s", "step s", ".1f"), ("rollout_s", "rollout s", ".1f"), ("train_s", "train s", ".1f"),
                ("sync_s", "sync s", ".2f"), ("completion_tokens_per_s", "compl tok/s", ".1f"),
                ("train_tokens_per_s", "train tok/s", ".0f"), ("flop_utilisation", "FLOP util", ".1%"),
-               ("rollout_peak_mb", "rollout MB", ".0f"), ("train_peak_mb", "train MB", ".0f"),
+               ("rollout_over_floor", "roll/floor", ".2f"), ("rollout_peak_mb", "rollout MB", ".0f"), ("train_peak_mb", "train MB", ".0f"),
                ("step_peak_mb", "peak MB", ".0f")]
     for workload, runs in results.items():
         print(f"\n{workload}")
