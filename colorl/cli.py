@@ -1,4 +1,4 @@
-"""`colorl` command line: train, export, plot, predict, simulate.
+"""`colorl` command line: train, export, plot, predict, simulate, plan, bench.
 
 Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 
+from colorl.bench.command import add_bench_parser
 from colorl.plan import add_plan_parser
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
 
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_parser(sub)
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
