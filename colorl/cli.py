@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 
+from colorl.plan import add_plan_parser
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
@@ -31,9 +32,16 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
-def _check_devices(requested: str, nproc: int) -> str:
+def _check_devices(requested: str, nproc: int, engine: str = "native") -> str:
+    """The device the ranks use; `nproc`: ranks on this host. SGLang needs CUDA and its package."""
     import torch
 
+    if engine == "sglang":
+        from colorl.engines.sglang import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise ValueError(reason)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("launch.device=cuda: no CUDA device is available here; use --device cpu")
@@ -44,11 +52,16 @@ def _check_devices(requested: str, nproc: int) -> str:
 
 def cmd_train(args) -> int:
     from colorl.config import ConfigError, dump_config, load_config
+    from colorl.launch import TorchrunRank
+    from colorl.plan import engine_check_note
     from colorl.tasks import TaskOptionError, build_task
 
+    spot = TorchrunRank.from_env()
     overrides = list(args.set or [])
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
+    if spot is not None:  # torchrun decides the world; this process is one of its ranks
+        overrides.append(f"launch.nproc={spot.world}")
     if args.device is not None:
         overrides.append(f"launch.device={args.device}")
     try:
@@ -60,38 +73,45 @@ def cmd_train(args) -> int:
     if args.dry_run:  # a config for another machine (e.g. 8 GPUs) validates here without its devices
         print(dump_config(cfg), end="")
         print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+        note = engine_check_note(cfg)
+        if note:
+            print(f"# {note}")
         return 0
     try:
-        device = _check_devices(cfg.launch.device, cfg.launch.nproc)
+        device = _check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import CheckpointUnusable, latest_step, resume_step
+    from colorl.train.checkpoint import resume_step
     from colorl.worker import prepare_run_dir, run_rank
 
     args.resume = args.resume or args.resume_from_last_good
-    try:
-        preflight(cfg)
+
+    def prepare() -> None:
+        preflight(cfg, device)
         if args.resume:
             step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
             for note in notes:
                 print(f"colorl: {note}", file=sys.stderr)
             print(f"colorl: resuming from checkpoint step_{step}", file=sys.stderr)
-    except (ConfigError, CheckpointUnusable, ValueError) as exc:
-        return fail(str(exc))
-    try:
         prepare_run_dir(cfg, run_dir, args.resume)
-    except (FileExistsError, OSError) as exc:
+
+    rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
+    if spot is not None:
+        from colorl.launch import run_in_place
+
+        code = run_in_place(spot, run_rank, device, rank_args, cfg.launch.collective_timeout_s, prepare)
+        if code == 0 and spot.rank == 0:
+            _report_done(cfg, run_dir)
+        return code
+    try:
+        prepare()
+    except (ValueError, OSError) as exc:
         return fail(str(exc))
     from colorl.launch import launch
 
-    failure = launch(run_rank, cfg.launch.nproc, device,
-                     (cfg.model_dump(mode="json"), str(run_dir), args.resume, device), cfg.launch.collective_timeout_s)
+    failure = launch(run_rank, cfg.launch.nproc, device, rank_args, cfg.launch.collective_timeout_s)
     if failure is None:
-        done = latest_step(run_dir) or 0
-        if done < cfg.run.steps:
-            print(f"run stopped after step {done} (checkpoint saved): continue with --resume --run-dir {run_dir}")
-        else:
-            print(f"run finished: {run_dir}")
+        _report_done(cfg, run_dir)
         return 0
     if failure.interrupted:
         return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", 130)
@@ -100,6 +120,16 @@ def cmd_train(args) -> int:
                     EXIT_RUN_FAILED)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
+
+
+def _report_done(cfg, run_dir: Path) -> None:
+    from colorl.train.checkpoint import latest_step
+
+    done = latest_step(run_dir) or 0
+    if done < cfg.run.steps:
+        print(f"run stopped after step {done} (checkpoint saved): continue with --resume --run-dir {run_dir}")
+    else:
+        print(f"run finished: {run_dir}")
 
 
 def _readable(error: str, frames: int = 20) -> str:
@@ -111,9 +141,9 @@ def _readable(error: str, frames: int = 20) -> str:
     return "\n".join([head, ""] + lines) if lines else head
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, device: str = "cpu") -> None:
     """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
-    load its tokenizer, apply the chat template, draw a problem."""
+    load its tokenizer, apply the chat template, draw a problem; on CUDA, the memory plan."""
     from colorl.config import ConfigError
     from colorl.models import ModelNotFound, encode_chat, load_tokenizer, resolve_model_path
     from colorl.tasks import build_task
@@ -129,6 +159,15 @@ def preflight(cfg) -> None:
     except Exception as exc:  # tokenizer / template errors come in many types
         raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if device == "cuda":
+        import torch
+
+        from colorl.plan import plan_for_run
+
+        plan = plan_for_run(cfg, model_dir, torch.cuda.get_device_properties(0).total_memory)
+        if not plan.fits:
+            print(plan.render(), file=sys.stderr)
+            raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
 
 
 def cmd_export(args) -> int:
@@ -174,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predict_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

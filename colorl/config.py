@@ -106,11 +106,20 @@ class FilterConfig(Section):
     zero_variance: bool = False
 
 
+class RedundancyConfig(Section):
+    """Redundant rollout: over-sample, abort the slowest once a buffer (batch) or a group is full."""
+
+    level: Literal["batch", "group"] = "group"
+    ratio: float = Field(0.25, gt=0, le=4)  # extra groups per buffer (batch) or samples per group (group)
+
+
 class StalenessConfig(Section):
-    max: int = Field(1, ge=0)
+    max: int = Field(1, ge=0)  # η: no group is trained staler than this (staleflow, queue_max)
     buffer: Literal["staleflow", "queue_drop", "queue_max"] = "staleflow"
     queue_factor: float = Field(1.0, ge=1)
+    # in-flight samples when new weights arrive: continue on their KV, or re-prefill under the new weights
     partial_rollout: Literal["keep", "recompute"] = "keep"
+    redundancy: Optional[RedundancyConfig] = None  # off by default: it shifts the length distribution
 
 
 class SyncConfig(Section):
@@ -130,6 +139,9 @@ class LaunchConfig(Section):
     nproc: int = Field(1, ge=1, le=64)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: float = Field(600, gt=0)  # a rank stuck longer than this ends the run
+    # bounded-lag mode: intra-op threads of each loop on a rank (null: split the rank's cores)
+    rollout_threads: Optional[int] = Field(None, ge=1)
+    train_threads: Optional[int] = Field(None, ge=1)
 
 
 class Config(Section):
@@ -155,10 +167,12 @@ class Config(Section):
             )
         if self.task.name == "jsonl" and not self.task.path:
             raise ValueError("task.path is required when task.name=jsonl")
+        redundancy = self.staleness.redundancy
+        if redundancy is not None and redundancy.level == "batch" and self.staleness.buffer != "staleflow":
+            raise ValueError("staleness.redundancy.level=batch needs staleness.buffer=staleflow "
+                             "(the queues already over-draw: they drop or discard groups)")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
-        if self.rollout.engine == "sglang":
-            raise ValueError("rollout.engine=sglang: the SGLang adapter is not in this version; use native or hf")
         return self
 
     @property
@@ -324,6 +338,18 @@ def check_external(config: Config) -> None:
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)
+    check_engine_modes(config)
+
+
+def check_engine_modes(config: Config) -> None:
+    """What the chosen engine can do: bounded-lag's `partial_rollout: keep` needs KV kept across updates."""
+    if config.mode != "bounded_lag" or config.staleness.partial_rollout != "keep":
+        return
+    from colorl.engines import engine_class
+
+    if not engine_class(config.rollout.engine).keeps_kv_across_updates:
+        raise ConfigError(f"staleness.partial_rollout=keep: rollout.engine={config.rollout.engine} cannot keep "
+                          "in-flight sequences across a weight update; use staleness.partial_rollout=recompute")
 
 
 def check_model_folder(folder: Path, engine: str) -> None:

@@ -1,4 +1,5 @@
 """Spawn one worker per device and watch them: any rank failing stops all of them, quickly.
+Under torchrun (multi-node), `run_in_place` runs this process's own rank instead.
 
 Failure handling: a rank that raises writes its traceback to a file and exits 1 (a `RunFault` or a
 full disk: only its one-line message); a rank that dies (killed, OOM) just exits. The parent notices
@@ -86,7 +87,9 @@ def _report(exc: BaseException) -> str:
         return str(exc)
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no space left on device while writing {exc.filename or 'a file'}: free some space, then --resume"
-    return f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
+    # an error raised for another thread carries that thread's traceback: the one worth showing
+    trace = getattr(exc, "thread_traceback", None) or traceback.format_exc()
+    return f"{type(exc).__name__}: {exc}\n\n{trace}"
 
 
 def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600) -> RankFailure | None:
@@ -163,3 +166,67 @@ def _stop_all(procs, grace_s: float = GRACE_S) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class TorchrunRank:
+    """This process's place in a torchrun job (torchrun's environment variables)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int  # ranks on this node
+    node: int  # torchrun's GROUP_RANK: the node's index
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "TorchrunRank | None":
+        """None when this process was not started by torchrun (then `launch` spawns the ranks)."""
+        if not all(key in env for key in TORCHRUN_ENV):
+            return None
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]),
+                   int(env.get("GROUP_RANK", "0")))
+
+
+def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s: float, prepare=None) -> int:
+    """Run this process's rank of `target(rank, world, *args)`; torchrun runs the others.
+
+    `prepare()` runs on rank 0 first (run directory, checks); a message it raises as ValueError
+    or OSError stops every rank with exit code 2, printed once. A failing rank prints its error
+    and exits 1; torchrun then stops the rest. SIGINT/SIGTERM (torchrun forwards Ctrl-C as
+    SIGTERM) stop the run at the next step boundary with a checkpoint, as under `colorl train`.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spot.local_world)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if device == "cuda":
+        torch.cuda.set_device(spot.local_rank)
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        problem = [None]
+        if spot.rank == 0 and prepare is not None:
+            try:
+                prepare()
+            except (ValueError, OSError) as exc:
+                problem[0] = str(exc)
+        dist.broadcast_object_list(problem, group_src=0)
+        if problem[0] is not None:
+            if spot.rank == 0:
+                print(f"colorl: error: {problem[0]}", file=sys.stderr)
+            return 2
+        target(spot.rank, spot.world, *args)
+    except BaseException as exc:  # report anything, then let torchrun stop the other ranks
+        print(f"colorl: rank {spot.rank} failed: {_report(exc)}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -28,6 +28,7 @@ class Display:
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
         self.phase_name, self.step, self.last = "start", first_step, {}
+        self.loop_rows: list[tuple[str, str]] = []  # bounded-lag: engine, trainer and buffer status
         self.started = time.perf_counter()
         self._live = Live(self._render(), console=self.console, refresh_per_second=4) if self.live_mode else None
         if self._live is not None:
@@ -45,10 +46,23 @@ class Display:
         table.add_row("step", f"{self.step}/{self.total}   ETA {self._eta()}   phase: [bold]{self.phase_name}[/]")
         for label, key, fmt in _SHOWN:
             table.add_row(label, _fmt(fmt, self.last.get(key)))
+        for label, text in self.loop_rows:
+            table.add_row(label, text)
         return table
 
     def phase(self, name: str) -> None:
         self.phase_name = name
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def loops(self, status) -> None:
+        """Both loops of bounded-lag mode at once, refreshed while the trainer waits."""
+        self.loop_rows = [
+            ("engine", f"v{status.engine_version}  running {status.running}  waiting {status.waiting}  "
+                       f"KV {status.kv_used}/{status.kv_total}  groups in flight {status.in_flight_groups}"),
+            ("trainer", self.phase_name),
+            ("buffers", status.buffers or "-"),
+        ]
         if self._live is not None:
             self._live.update(self._render())
 

@@ -37,6 +37,9 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, dict):  # e.g. staleness_hist: one curve per bin
+                    for bin_name, count in value.items():
+                        self._tb.add_scalar(f"{key}/{bin_name}", count, record["step"])
             self._tb.flush()
 
     def close(self) -> None:

@@ -26,11 +26,13 @@ def run_colocated(ctx, stop) -> None:
         ctx.display.phase("rollout")
         engine.wake()
         faults.point("rollout", ctx.state.step + 1)
-        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        indices = list(ctx.problem_indices(ctx.state.step))
+        problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
-                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
         engine.sleep(cfg.engine.sleep_level)
         times.rollout = time.perf_counter() - times.start
+        times.phase_done("rollout")
 
         ctx.display.phase("train")
         trainer.onload()
@@ -40,11 +42,13 @@ def run_colocated(ctx, stop) -> None:
         train_stats = trainer.train_step(batch)
         trainer.offload()
         times.train = time.perf_counter() - times.start - times.rollout
+        times.phase_done("train")
 
         ctx.display.phase("sync")
         faults.point("sync", ctx.state.step + 1)
         sync_stats = ctx.weight_sync.sync(engine, ctx.state.version + 1)
         times.sync = time.perf_counter() - times.start - times.rollout - times.train
+        times.phase_done("sync")
 
         ctx.state.step += 1
         ctx.state.version += 1

@@ -64,7 +64,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState) -> Path:
+def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState,
+                    rank_files: dict[str, str] | None = None) -> Path:
+    """rank_files: name -> text each rank writes as `NAME_rank{r}.json` (e.g. bounded-lag rollout state)."""
     final = checkpoint_dir(run_dir, state.step)
     partial = final.with_name(final.name + ".partial")
     model_sd = _untied_model_state(model)
@@ -81,6 +83,8 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: TrainerState) -> Pat
         faults.point("checkpoint", state.step)
         dcp.save(optim_sd, checkpoint_id=str(partial / "optim"))
         torch.save(_rng_state(), partial / f"rng_rank{_rank()}.pt")
+        for name, text in (rank_files or {}).items():
+            (partial / f"{name}_rank{_rank()}.json").write_text(text, encoding="utf-8")
     except BaseException as exc:  # DCP wraps a rank's OSError in a CheckpointException (a BaseException)
         if not _disk_full(exc):
             raise
@@ -259,6 +263,12 @@ def load_checkpoint(run_dir: Path, step: int, model, optimizer) -> TrainerState:
     if rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return TrainerState(**json.loads((folder / "state.json").read_text()))
+
+
+def read_rank_file(run_dir: Path, step: int, name: str) -> str | None:
+    """This rank's `NAME_rank{r}.json` of a checkpoint, or None if that checkpoint has none."""
+    path = checkpoint_dir(run_dir, step) / f"{name}_rank{_rank()}.json"
+    return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
 def load_model_weights(folder: Path, model) -> None:
