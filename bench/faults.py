@@ -5,7 +5,9 @@ and a held-out eval every step. Each row injects one fault at step 3 (tests/faul
 - kill: kill -9 of a rank (rank 0 when writing the checkpoint, whose rank renames it; else rank 1);
 - term-launcher: SIGTERM to the launcher (ranks save at the step boundary and exit);
 - disk-full: the run directory on a 3 MiB tmpfs (needs root to mount; the row says if skipped);
-- non-finite: train.lr=1e30 makes every loss after step 1 NaN (train.max_nonfinite_in_a_row=2).
+- non-finite: train.lr=1e30 makes every loss after step 1 NaN (train.max_nonfinite_in_a_row=2);
+- bounded-lag mode: kill / SIGTERM while the rollout thread applies new weights (its resumed
+  numbers are not expected to equal an uninterrupted run's: thread timing decides the batches).
 Then `--resume` (for disk-full: after moving the run to a disk with room) and compare per-step
 metrics and final weights with an uninterrupted run of the same config.
 
@@ -71,14 +73,20 @@ def main() -> None:
             for phase in PHASES:
                 rows.append(drill.drill(fault, phase, work / f"{fault}-{phase}", reference).row())
                 print(rows[-1], flush=True)
+        reference_lag = work / "reference-bounded-lag"
+        drill.run_clean(reference_lag, ["mode=bounded_lag"])
+        for fault in ("kill", "term-launcher"):
+            rows.append(drill.drill(fault, "apply_weights", work / f"lag-{fault}", reference_lag, "bounded_lag").row())
+            print(rows[-1], flush=True)
         rows.append(_disk_full(work, reference))
         rows.append(_detected("non-finite", "train", work / "non-finite",
                               ["train.lr=1e30", "train.max_nonfinite_in_a_row=2"], None, reference))
-    print(f"\n{'fault':<14} {'phase':<11} {'exit':>4} {'time to stop s':>14} {'steps lost':>10} {'resume equal':>12}")
+    print(f"\n{'fault':<14} {'phase':<14} {'mode':<12} {'exit':>4} {'time to stop s':>14} {'steps lost':>10} "
+          f"{'resume equal':>12}")
     for r in rows:
-        equal = {True: "yes", False: "NO", None: "n/a"}[r.get("resume_equal")]
-        print(f"{r['fault']:<14} {r['phase']:<11} {r.get('exit_code', '-')!s:>4} {r.get('time_to_stop_s', '-')!s:>14} "
-              f"{r.get('steps_lost', '-')!s:>10} {equal:>12}")
+        equal = {True: "yes", False: "no", None: "n/a"}[r.get("resume_equal")]
+        print(f"{r['fault']:<14} {r['phase']:<14} {r.get('mode', 'colocated'):<12} {r.get('exit_code', '-')!s:>4} "
+              f"{r.get('time_to_stop_s', '-')!s:>14} {r.get('steps_lost', '-')!s:>10} {equal:>12}")
     for r in rows:
         print(f"  {r['fault']}/{r['phase']}: {r['message']}")
     print(f"\n{len(rows)} drills in {time.time() - started:.0f} s")
