@@ -117,20 +117,22 @@ class RankContext:
 
     def report_initial_eval(self, run_eval=None) -> None:
         """The baseline the periodic evals compare against, shown before the first step."""
+        self.display.phase("held-out eval before step 1")
         accuracy = self.maybe_evaluate(run_eval)
         if accuracy is not None:
             self.event(f"eval_accuracy step=0 {accuracy:.4f}")
-            self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+            self.display.initial_accuracy(accuracy)
 
-    def check_numerics(self, train) -> None:
+    def check_numerics(self, train, rollout_state=None) -> None:
         """After a step is logged: the Nth non-finite loss or gradient norm in a row saves the last
-        good step as the newest checkpoint and stops the run, saying why."""
+        good step as the newest checkpoint and stops the run, saying why.
+        rollout_state: bounded-lag mode's snapshot function, for that checkpoint."""
         last_good = self.nonfinite.observe(train.loss, train.grad_norm, self.state)
         if last_good is None:
             return
         first_bad, limit = self.state.step - self.nonfinite.limit + 1, self.nonfinite.limit
         self.state = last_good
-        self.save()
+        self.save(rollout_state() if rollout_state is not None else None)
         raise faults.RunFault(
             f"stopped: {limit} non-finite losses or gradient norms in a row (steps {first_bad}-{first_bad + limit - 1}, "
             f"train.max_nonfinite_in_a_row={limit}); checkpoint step_{last_good.step} holds the last good step: "

@@ -48,9 +48,10 @@ def run_bounded_lag(ctx, stop) -> None:
         while ctx.state.step < cfg.run.steps:
             times = StepTimes()
             ctx.display.phase("wait")
-            faults.point("rollout", ctx.state.step + 1)  # the trainer waits while the rollout thread decodes
             groups, window, times.trainer_wait = producer.take_batch(
                 ctx.state.version, on_wait=lambda: ctx.display.loops(producer.status))
+
+            times.phase_done("wait")
 
             ctx.display.phase("train")
             trainer.onload()
@@ -60,6 +61,7 @@ def run_bounded_lag(ctx, stop) -> None:
             train_stats = trainer.train_step(batch)
             trainer.offload()
             times.train = time.perf_counter() - started
+            times.phase_done("train")
 
             ctx.display.phase("publish")
             faults.point("sync", ctx.state.step + 1)
@@ -67,6 +69,7 @@ def run_bounded_lag(ctx, stop) -> None:
             sync_stats = ctx.weight_sync.publish(ctx.state.version + 1).stats
             producer.notify()  # the rollout thread applies it at its next engine step boundary
             times.sync, times.rollout = time.perf_counter() - started, window.busy_s
+            times.phase_done("publish")
 
             ctx.state.step += 1
             ctx.state.version += 1
@@ -74,7 +77,7 @@ def run_bounded_lag(ctx, stop) -> None:
             record = step_record(ctx, groups, train_stats, sync_stats, times,
                                  trained_version=ctx.state.version - 1, window=window)
             ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate(producer.evaluate)})
-            ctx.check_numerics(train_stats)
+            ctx.check_numerics(train_stats, producer.snapshot)
             stopping = stop.agreed()
             if stopping or ctx.should_save():
                 ctx.save(rollout_state=producer.snapshot())

@@ -179,9 +179,10 @@ class RolloutProducer:
                 self._cv.notify_all()
 
     def _apply_newest_weights(self, stream) -> None:
-        if self.ctx.weight_sync.pending_version is None:
+        pending = self.ctx.weight_sync.pending_version
+        if pending is None:
             return
-        faults.point("apply_weights", self.ctx.weight_sync.pending_version)  # the step that trained it
+        faults.point("apply_weights", pending)  # step `pending` published the version applied here
         if stream is not None:  # the published buckets were written on the trainer's stream
             stream.wait_stream(torch.cuda.default_stream(stream.device))
         stats = self.ctx.weight_sync.apply_pending(self.engine)
@@ -258,6 +259,7 @@ class RolloutProducer:
             self._window.idle_s += time.perf_counter() - started
             self._publish_status()
             return
+        faults.point("rollout", self.ctx.state.step + 1)
         results = self.engine.step()
         self._window.busy_s += time.perf_counter() - started
         for result in results:

@@ -130,7 +130,9 @@ def test_eta_zero_trains_exactly_what_colocated_trains(tmp_path, monkeypatch, wo
     common = [f"--nproc={world}", *_argv([*BASE[:3], "run.steps=3"])]
     colocated, bounded = tmp_path / "colocated", tmp_path / "bounded"
     assert _cli(common + ["--run-dir", str(colocated)]) == 0
-    threads = max(1, (os.cpu_count() or 1) // world)  # what the launcher gives each rank
+    from colorl.launch import rank_threads
+
+    threads = rank_threads(world)  # what the launcher gives each rank
     same_threads = [f"launch.rollout_threads={threads}", f"launch.train_threads={threads}"]
     assert _cli(common + _argv(["mode=bounded_lag", "staleness.max=0", *same_threads])
                 + ["--run-dir", str(bounded)]) == 0
