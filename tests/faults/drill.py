@@ -37,8 +37,8 @@ class DrillResult:
     fault: str  # kill (kill -9 of a rank) or term-launcher (SIGTERM to the launcher)
     phase: str
     mode: str
-    exit_code: int
-    message: str  # the run's last line on stderr (or stdout when it stopped cleanly)
+    exit_code: int  # 1: a rank failed; 130: stopped at a step boundary with a checkpoint; 0: finished
+    message: str  # the run's last line on stderr (on stdout when it finished every step)
     time_to_stop_s: float  # from the fault to the launcher's exit
     steps_done: int  # steps logged before the stop
     checkpoint: int | None  # newest complete checkpoint after the stop
@@ -101,7 +101,8 @@ def drill(fault: str, phase: str, run_dir: Path, reference: Path, mode: str = "c
     marks = re.findall(r"colorl-fault: \S+ pid \d+ at ([\d.]+)", err)
     if not marks:
         raise RuntimeError(f"the fault never fired ({code}): {err[-2000:]}")
-    lines = out.strip().splitlines()[-1:] if code == 0 else [l for l in err.splitlines() if l.startswith("colorl: ")]
+    lines = out.strip().splitlines()[-1:] if code == 0 else [l for l in err.splitlines()
+                                                             if l.strip() and not l.startswith("colorl-fault")]
     done = max((r["step"] for r in read_metrics(run_dir)), default=0)
     checkpoint = latest_step(run_dir)
     if (checkpoint or 0) < STEPS:
