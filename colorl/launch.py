@@ -259,8 +259,7 @@ def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s
             return 2
         target(spot.rank, spot.world, *args)
     except BaseException as exc:  # report anything, then let torchrun stop the other ranks
-        print(f"colorl: rank {spot.rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        print(f"colorl: rank {spot.rank} failed: {_report(exc)}", file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

@@ -96,14 +96,9 @@ def read_run(run_dir: str | Path) -> MeasuredRun:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UsageError(f"--from {run_dir}: no metrics.jsonl in this directory")
-    records = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
+    from colorl.metrics.logger import read_metrics
+
+    records = read_metrics(path)  # torn lines skipped; a step redone after a resume counted once
     if not records:
         raise UsageError(f"--from {run_dir}: metrics.jsonl has no complete line")
     if len(records) >= 3:

@@ -17,3 +17,10 @@ def reference_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     drill.run_clean(run_dir)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def reference_bounded_lag(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference-bounded-lag") / "run"
+    drill.run_clean(run_dir, ["mode=bounded_lag"])
+    return run_dir

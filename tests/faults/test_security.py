@@ -2,7 +2,8 @@
 
 - Only safetensors and DCP are loaded; any `torch.load` left says `weights_only=True`; no pickle
   (or its relatives) reads a file; YAML goes through `safe_load`; no `trust_remote_code`.
-- Code is imported by name only from the explicit `task.reward` key (config.resolve_reward).
+- Code is imported by name only from explicit config keys (`task.reward`, `task.options.row_map`),
+  and engine backends only from colorl's own fixed table.
 - Run directories and everything in them are created with the user's umask (no chmod, no mkdtemp).
 """
 from __future__ import annotations
@@ -18,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(p for d in ("colorl", "bench", "tests") for p in (ROOT / d).rglob("*.py"))
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
 BUILTIN_CODE = {"__import__", "exec", "eval", "compile"}  # as bare names; `model.eval()` is something else
-ALLOWED_DYNAMIC = {("colorl/config.py", "resolve_reward", "import_module")}
+ALLOWED_DYNAMIC = {
+    ("colorl/config.py", "resolve_reward", "import_module"),  # the explicit task.reward key
+    ("colorl/engines/__init__.py", "engine_class", "import_module"),  # a fixed table of colorl's own modules
+    ("colorl/tasks/hf_dataset.py", "resolve_row_map", "import_module"),  # the explicit task.options.row_map key
+}
 
 
 def _name(node: ast.AST) -> str:
