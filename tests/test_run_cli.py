@@ -67,5 +67,5 @@ def test_config_changes_split_refused_and_warned():
     old = {"run": {"seed": 0, "steps": 2}, "model": {"path": "a", "lora": None}, "train": {"lr": 1.0}}
     new = {"run": {"seed": 0, "steps": 4}, "model": {"path": "b", "lora": {"r": 8}}, "train": {"lr": 1.0}}
     refused, warned = config_changes(old, new)
-    assert [c.key for c in refused] == ["model.lora", "model.path"]
+    assert [str(c) for c in refused] == ["model.lora.r: None -> 8", "model.path: 'a' -> 'b'"]
     assert [c.key for c in warned] == ["run.steps"]
