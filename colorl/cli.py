@@ -1,4 +1,4 @@
-"""`colorl` command line: train, export, plot, predict, simulate.
+"""`colorl` command line: train, export, plot, predict, simulate, plan, bench.
 
 Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 
+from colorl.bench.command import add_bench_parser
+from colorl.plan import add_plan_parser
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
@@ -28,13 +30,22 @@ def _quiet_libraries() -> None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"colorl: error: {message}", file=sys.stderr)
+    """One line on stderr whatever the message quotes (user text may hold line breaks or controls)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"colorl: error: {line}", file=sys.stderr)
     return code
 
 
-def _check_devices(requested: str, nproc: int) -> str:
+def _check_devices(requested: str, nproc: int, engine: str = "native") -> str:
+    """The device the ranks use; `nproc`: ranks on this host. SGLang needs CUDA and its package."""
     import torch
 
+    if engine == "sglang":
+        from colorl.engines.sglang import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise ValueError(reason)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("launch.device=cuda: no CUDA device is available here; use --device cpu")
@@ -46,11 +57,16 @@ def _check_devices(requested: str, nproc: int) -> str:
 def cmd_train(args) -> int:
     started = time.perf_counter()
     from colorl.config import ConfigError, dump_config, load_config
+    from colorl.launch import TorchrunRank
+    from colorl.plan import engine_check_note
     from colorl.tasks import TaskOptionError, build_task
 
+    spot = TorchrunRank.from_env()
     overrides = list(args.set or [])
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
+    if spot is not None:  # torchrun decides the world; this process is one of its ranks
+        overrides.append(f"launch.nproc={spot.world}")
     if args.device is not None:
         overrides.append(f"launch.device={args.device}")
     try:
@@ -64,55 +80,71 @@ def cmd_train(args) -> int:
     if args.dry_run:  # a config for another machine (e.g. 8 GPUs) validates here without its devices
         print(dump_config(cfg), end="")
         print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+        note = engine_check_note(cfg)
+        if note:
+            print(f"# {note}")
         return 0
     try:
-        device = _check_devices(cfg.launch.device, cfg.launch.nproc)
+        device = _check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
     except ValueError as exc:
         return fail(str(exc))
+    from colorl.train.checkpoint import resume_step
     from colorl.worker import prepare_run_dir, run_rank
 
-    if args.resume:
-        problem = check_resume(cfg, run_dir, args.force)
-        if problem:
-            return fail(problem)
-    try:
-        preflight(cfg)
-    except (ConfigError, ValueError) as exc:
-        return fail(str(exc))
-    try:
+    args.resume = args.resume or args.resume_from_last_good
+
+    def prepare() -> None:
+        """Rank 0's checks before any rank starts (under torchrun, in place); ValueError: one line."""
+        preflight(cfg, device)
+        if args.resume:
+            step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
+            for note in notes:
+                print(f"colorl: {note}", file=sys.stderr)
+            check_resume(cfg, run_dir, step, args.force)
         prepare_run_dir(cfg, run_dir, args.resume)
-    except (FileExistsError, OSError) as exc:
+
+    rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
+    if spot is not None:
+        from colorl.launch import run_in_place
+
+        code = run_in_place(spot, run_rank, device, rank_args, cfg.launch.collective_timeout_s, prepare)
+        if code == 0 and spot.rank == 0:
+            return _finished(cfg, run_dir, args.config, time.perf_counter() - started)
+        return code
+    try:
+        prepare()
+    except (ValueError, OSError) as exc:
         return fail(str(exc))
     from colorl.launch import launch
 
-    failure = launch(run_rank, cfg.launch.nproc, device,
-                     (cfg.model_dump(mode="json"), str(run_dir), args.resume, device), cfg.launch.collective_timeout_s)
+    failure = launch(run_rank, cfg.launch.nproc, device, rank_args, cfg.launch.collective_timeout_s)
     if failure is None:
         return _finished(cfg, run_dir, args.config, time.perf_counter() - started)
     if failure.interrupted:
         return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", EXIT_INTERRUPTED)
+    if "\n" not in failure.error.strip():  # a fault the run explained itself: its message is the report
+        return fail(f"run failed on rank {failure.rank}: {failure.error.strip()}; run directory kept: {run_dir}",
+                    EXIT_RUN_FAILED)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
 
 
-def check_resume(cfg, run_dir: Path, force: bool) -> str | None:
-    """None if the run may resume; else the one-line refusal. Says at once what is being loaded."""
+def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
+    """Refuse (ConfigError, one line) a resume whose changed keys alter the data or the shapes, unless
+    forced; list the other changes; say at once what is being loaded."""
+    from colorl.config import ConfigError
     from colorl.resume import config_changes, last_config
-    from colorl.train.checkpoint import checkpoint_dir, latest_step
+    from colorl.train.checkpoint import checkpoint_dir
 
-    step = latest_step(run_dir)
-    if step is None:
-        return f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}"
     previous = last_config(run_dir)
     refused, warned = config_changes(previous, cfg.model_dump(mode="json")) if previous else ([], [])
     if refused and not force:
-        return (f"--resume: these changes alter the data or the shapes of {run_dir}: "
-                f"{'; '.join(map(str, refused))} (pass --force to resume anyway)")
+        raise ConfigError(f"--resume: these changes alter the data or the shapes of {run_dir}: "
+                          f"{'; '.join(map(str, refused))} (pass --force to resume anyway)")
     for change in (refused if force else []) + warned:
         print(f"colorl: warning: --resume with a changed key: {change}", file=sys.stderr)
     print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} "
           f"(weights, optimizer state, RNG states, data position)", flush=True)
-    return None
 
 
 def _finished(cfg, run_dir: Path, config: str, wall_s: float) -> int:
@@ -139,9 +171,9 @@ def _readable(error: str, frames: int = 20) -> str:
     return "\n".join([head, ""] + lines) if lines else head
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, device: str = "cpu") -> None:
     """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
-    load its tokenizer, apply the chat template, draw a problem."""
+    load its tokenizer, apply the chat template, draw a problem; on CUDA, the memory plan."""
     from colorl.config import ConfigError
     from colorl.models import (
         SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, encode_chat, load_tokenizer, resolve_model_path,
@@ -173,6 +205,16 @@ def preflight(cfg) -> None:
                           f"({longest} tokens) it exceeds the model's context of {context} tokens; "
                           f"use at most {context - longest}")
 
+    if device == "cuda":
+        import torch
+
+        from colorl.plan import plan_for_run
+
+        plan = plan_for_run(cfg, model_dir, torch.cuda.get_device_properties(0).total_memory)
+        if not plan.fits:
+            print(plan.render(), file=sys.stderr)
+            raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
+
 
 PROMPTS_CHECKED = 256  # training prompts whose length is checked against the context before launch
 
@@ -192,6 +234,15 @@ def cmd_export(args) -> int:
         return fail(str(exc))
     print(f"exported: {out}")
     return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line like every other bad input."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_BAD_INPUT)
+
 
 
 def cmd_plot(args) -> int:
@@ -216,7 +267,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="colorl", description="single-node GRPO trainer")
+    parser = _Parser(prog="colorl", description="single-node GRPO trainer")
     parser.add_argument("--version", action="version", version=f"colorl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -227,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.add_argument("--run-dir", help="default: run.dir/run.name")
     train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--resume-from-last-good", action="store_true",
+                       help="like --resume, but set damaged newer checkpoints aside and use the newest usable one")
     train.add_argument("--force", action="store_true",
                        help="with --resume: accept changed keys that alter the data or shapes (model, task, ...)")
     train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config")
@@ -245,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predict_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -254,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
+    except SystemExit as exc:  # argparse printed its one-line usage error, or --help
         return int(exc.code or 0) and EXIT_BAD_INPUT
     try:
         return args.func(args)

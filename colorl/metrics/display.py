@@ -55,6 +55,7 @@ class Display:
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
         self.phase_name, self.step, self.last = "start", first_step, {}
+        self.loop_rows: list[tuple[str, str]] = []  # bounded-lag: engine, trainer and buffer status
         self.step_ends = [time.perf_counter()]
         self.baseline: float | None = None
         self._live = Live(self._render(), console=self.console, refresh_per_second=4) if self.live_mode else None
@@ -74,10 +75,23 @@ class Display:
             if key == "eval_accuracy" and self.baseline is not None:
                 value = f"{value}  (before training {self.baseline:.1%})"
             table.add_row(label, value)
+        for label, text in self.loop_rows:
+            table.add_row(label, text)
         return table
 
     def phase(self, name: str) -> None:
         self.phase_name = name
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def loops(self, status) -> None:
+        """Both loops of bounded-lag mode at once, refreshed while the trainer waits."""
+        self.loop_rows = [
+            ("engine", f"v{status.engine_version}  running {status.running}  waiting {status.waiting}  "
+                       f"KV {status.kv_used}/{status.kv_total}  groups in flight {status.in_flight_groups}"),
+            ("trainer", self.phase_name),
+            ("buffers", status.buffers or "-"),
+        ]
         if self._live is not None:
             self._live.update(self._render())
 

@@ -5,6 +5,7 @@ import json
 import random
 from pathlib import Path
 
+from colorl.config import read_text
 from colorl.tasks.base import Problem, check_options, register
 from colorl.tasks.rewards import math_reward
 
@@ -15,7 +16,7 @@ class DatasetError(ValueError):
 
 def read_problems(path: str | Path) -> list[Problem]:
     problems = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(Path(path), DatasetError).splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -1,0 +1,50 @@
+"""Kill anywhere, lose nothing: kill -9 of a rank, or SIGTERM to the launcher, at each phase of a
+real world-size-2 run; the run stops within 30 s saying why, the newest complete checkpoint loads,
+and `--resume` ends with the metrics and weights of an uninterrupted run.
+
+The default suite drills the trickiest point (a rank killed half-way through writing a
+checkpoint) and a short SIGTERM run; the full table is `slow` (and `bench/faults.py`).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import drill
+
+PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
+DEFAULT = {("kill", "checkpoint")}
+CASES = [pytest.param(f, p, marks=() if (f, p) in DEFAULT else pytest.mark.slow, id=f"{f}-{p}")
+         for f in ("kill", "term-launcher") for p in PHASES]
+
+
+@pytest.mark.parametrize("fault, phase", CASES)
+def test_fault_at_each_phase_loses_nothing(tmp_path, reference_run, fault, phase):
+    result = drill.drill(fault, phase, tmp_path / "run", reference_run)
+    assert result.time_to_stop_s < 30, result
+    if fault == "kill":
+        rank = drill.ACTING_RANK["kill"].get(phase, 1)
+        assert result.exit_code == 1, result
+        assert f"run failed on rank {rank}: rank {rank} died (killed by SIGKILL)" in result.message, result
+    else:
+        assert result.exit_code == 0, result
+        assert "run stopped after step" in result.message or "run finished" in result.message, result
+    assert result.checkpoint is not None and result.checkpoint >= drill.FAULT_STEP - 1, result
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.partial")), "resume left a partial folder"
+    assert result.resume_equal, result
+
+
+def test_sigterm_to_the_launcher_saves_and_stops_at_the_step_boundary(tmp_path):
+    run = tmp_path / "run"
+    proc = drill.train(run, ["run.steps=50", "run.save_every=0", "run.eval_every=0"], nproc=1)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.terminate()
+    sent = time.time()
+    code, out, err, ended = drill.finish(proc)
+    assert code == 0 and ended - sent < 30, err
+    assert "colorl: SIGTERM: stopping after the current step" in err
+    step = drill.latest_step(run)
+    assert step is not None and step < 50 and f"run stopped after step {step}" in out
