@@ -1,4 +1,4 @@
-"""`colorl` command line: train, export, predict, simulate.
+"""`colorl` command line: train, export, predict, simulate, plan.
 
 Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
 """
