@@ -37,7 +37,7 @@ def workload(model: str, steps: int) -> list[str]:
         f"model.path={model}", "mode=bounded_lag", "staleness.max=2", f"run.steps={steps}", "run.save_every=0",
         "run.eval_every=0", "task.options={digits: 1}", "rollout.batch_groups=4", "rollout.group_size=4",
         "rollout.concurrency=16", "rollout.length_override={mean: 24, tailness: 90, cap: 96}",
-        "train.micro_batch=16", "train.lr=1e-5", "engine.max_num_seqs=16",
+        "train.max_tokens_per_micro_batch=4096", "train.lr=1e-5", "engine.max_num_seqs=16",
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENGINES = ("native", "hf", "sglang")
-TASKS = ("arithmetic", "countdown", "jsonl")
+TASKS = ("arithmetic", "countdown", "jsonl", "hf_dataset")
 MODES = ("colocated", "bounded_lag")
 
 
@@ -53,7 +54,7 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    name: Literal["arithmetic", "countdown", "jsonl", "hf_dataset"] = "arithmetic"
     path: Optional[str] = None  # jsonl: file with {"prompt", "answer"} lines
     eval_path: Optional[str] = None
     reward: Optional[str] = None  # "module:function"
@@ -82,7 +83,10 @@ class RolloutConfig(Section):
 class TrainConfig(Section):
     lr: float = Field(1.0e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    micro_batch: int = Field(8, ge=1)
+    # micro-batches are cut by tokens (sequences packed, no padding), longest sequences first
+    max_tokens_per_micro_batch: int = Field(2048, ge=1)
+    # rows of the [tokens, vocab] logits the LM head computes at a time (bounds that temporary)
+    logits_chunk_tokens: int = Field(1024, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     # this many steps in a row with a non-finite loss or gradient norm stop the run (checkpoint of the
     # last good step); fewer are skipped (no optimizer step) and counted in optimizer_steps_skipped
@@ -165,8 +169,8 @@ class Config(Section):
             raise ValueError(
                 f"rollout.batch_groups={self.rollout.batch_groups} must be divisible by launch.nproc={nproc}"
             )
-        if self.task.name == "jsonl" and not self.task.path:
-            raise ValueError("task.path is required when task.name=jsonl")
+        if self.task.name in ("jsonl", "hf_dataset") and not self.task.path:
+            raise ValueError(f"task.path is required when task.name={self.task.name}")
         redundancy = self.staleness.redundancy
         if redundancy is not None and redundancy.level == "batch" and self.staleness.buffer != "staleflow":
             raise ValueError("staleness.redundancy.level=batch needs staleness.buffer=staleflow "
@@ -287,8 +291,20 @@ def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
     if kind == "value_error" and not loc:
         return str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
+    if key == "rollout.engine" and kind == "literal_error":
+        return f"{key}={value!r}: engines this machine can run: {', '.join(map(repr, runnable_engines()))}"
     allowed = _allowed(error)
     return f"{key}={value!r}: {allowed}"
+
+
+def runnable_engines() -> list[str]:
+    """Engines worth offering here: sglang only with CUDA and the sglang package installed."""
+    import torch
+
+    names = ["native", "hf"]
+    if torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None:
+        names.append("sglang")
+    return names
 
 
 def _allowed(error: dict) -> str:
@@ -334,7 +350,7 @@ def check_external(config: Config) -> None:
         check_model_folder(folder, config.rollout.engine)
     for key in ("path", "eval_path"):
         value = getattr(config.task, key)
-        if value and not _is_file(Path(value)):
+        if value and config.task.name == "jsonl" and not _is_file(Path(value)):
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)

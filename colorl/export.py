@@ -41,7 +41,21 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     load_tokenizer(model_dir).save_pretrained(tmp)
+    apply_umask(tmp)
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)
     return out
+
+
+def apply_umask(folder: Path) -> None:
+    """Give the folder and its files the modes the user's umask gives new files.
+
+    Some writers (safetensors, temp-file-then-rename savers) create files 0600 whatever the umask,
+    which leaves an exported model unreadable to the group or to a serving process.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

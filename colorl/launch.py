@@ -13,6 +13,7 @@ boundary and exit. After SIGTERM (sent by schedulers, which follow it with SIGKI
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import sys
@@ -39,6 +40,13 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated
 
 
+# glibc's malloc hands big blocks (activations, logits) back to the kernel on free and
+# page-faults them in again on the next step: on CPU a third of a SmolLM2 step went to the
+# kernel. Keeping them in the heap made CPU steps 1.6-1.8x faster (bench/README.md, "CPU
+# allocator"); the price is that a rank's memory stays at its peak. A user's MALLOC_* wins.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+
+
 @dataclass
 class RankFailure:
     rank: int
@@ -56,17 +64,41 @@ def _exit_with_parent() -> None:
             os._exit(1)
 
 
+def available_cores() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (containers)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def rank_threads(world: int) -> int:
+    """Intra-op threads of one rank on CPU: its share of the cores, at least 1 (OMP_NUM_THREADS wins).
+
+    The bounded-lag mode splits this budget between its rollout and train loops.
+    """
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, available_cores() // world)
+
+
 def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, error_dir: str, target, args) -> None:
     from colorl.distributed import init_process_group
 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the run installs its stop-at-step-boundary handler
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    threads = rank_threads(world)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not for users
     import torch
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(threads)
     try:
         init_process_group(rank, world, port, device, timeout_s)
         target(rank, world, *args)
@@ -96,6 +128,9 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
     """Run `target(rank, world, *args)` on `nproc` ranks; None on success, else the first failure."""
     from colorl.distributed import free_port
 
+    if device == "cpu":
+        for key, value in CPU_MALLOC_ENV.items():  # read by glibc when each spawned rank starts
+            os.environ.setdefault(key, value)
     ctx = mp.get_context("spawn")
     error_dir = tempfile.mkdtemp(prefix="colorl-errors-")
     port = free_port()

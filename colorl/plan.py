@@ -92,7 +92,8 @@ class Architecture:
 
     def activation_bytes_per_token(self, b: int) -> int:
         norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
-        per_layer = 2 * norm + 4 * b * self.hidden + 4 * b * self.intermediate
+        # + b * hidden: the packed (varlen) attention concatenates its per-sequence outputs
+        per_layer = 2 * norm + 5 * b * self.hidden + 4 * b * self.intermediate
         return self.layers * per_layer + norm + b * self.hidden + (b + 16) * self.vocab
 
     def kv_bytes_per_token(self, b: int) -> int:
@@ -188,14 +189,16 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     kv_tokens = kv // arch.kv_bytes_per_token(w)
     reserve = RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
     offload = cfg.train.offload_optimizer
+    micro_tokens = max(cfg.train.max_tokens_per_micro_batch, seq)  # a micro-batch packs whole sequences
     lines = [
         Line("trainer weights", weights, f"{trainer_params / 1e9:.2f}B params x {w} B / {world} ranks"),
         Line("reference model", reference, "loss.kl_coef > 0" if reference else ""),
         Line("gradients", -(-trainable * a // world), f"{trainable / 1e9:.3f}B trainable x {a} B / {world} ranks"),
         Line("optimizer state", -(-2 * trainable * a // world),
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
-        Line("activations", cfg.train.micro_batch * seq * arch.activation_bytes_per_token(b),
-             f"train.micro_batch={cfg.train.micro_batch} x {seq} tokens"),
+        Line("activations", micro_tokens * arch.activation_bytes_per_token(b),
+             f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} "
+             f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"),
         Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
              "FSDP2: current + prefetched layer, fp32 grad"),
         Line("engine weights", engine_weights, "tensor-parallel size 1"),
@@ -231,10 +234,11 @@ def _with(cfg, section: str, **values):
 def knobs(cfg):
     """Single changes that lower the peak, most specific first: (description, changed config)."""
     candidates = []
-    micro = cfg.train.micro_batch
-    while micro > 1:
-        micro //= 2
-        candidates.append((f"train.micro_batch={micro}", _with(cfg, "train", micro_batch=micro)))
+    budget = cfg.train.max_tokens_per_micro_batch
+    while budget > 256:
+        budget //= 2
+        candidates.append((f"train.max_tokens_per_micro_batch={budget}",
+                           _with(cfg, "train", max_tokens_per_micro_batch=budget)))
     if not cfg.train.offload_optimizer:
         candidates.append(("train.offload_optimizer=true", _with(cfg, "train", offload_optimizer=True)))
     if cfg.engine.sleep_level == 1 and cfg.mode == "colocated":

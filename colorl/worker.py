@@ -117,10 +117,11 @@ class RankContext:
 
     def report_initial_eval(self, run_eval=None) -> None:
         """The baseline the periodic evals compare against, shown before the first step."""
+        self.display.phase("held-out eval before step 1")
         accuracy = self.maybe_evaluate(run_eval)
         if accuracy is not None:
             self.event(f"eval_accuracy step=0 {accuracy:.4f}")
-            self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+            self.display.initial_accuracy(accuracy)
 
     def check_numerics(self, train, rollout_state=None) -> None:
         """After a step is logged: the Nth non-finite loss or gradient norm in a row saves the last

@@ -54,7 +54,7 @@ def test_lora_count_agrees_with_peft():
 
 
 def test_per_device_lines_by_hand():
-    # 8 ranks, float32 weights with bf16 compute, micro_batch 4, max_new_tokens 1024, memory_fraction 0.5
+    # 8 ranks, float32 weights with bf16 compute, 8192-token micro-batches, max_new_tokens 1024, memory_fraction 0.5
     cfg = gpu_config()
     arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
     memory, prompt = 80 * GiB, 200
@@ -68,8 +68,8 @@ def test_per_device_lines_by_hand():
     assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 4)  # 2 kv heads of 128, float32
     h, i, v = 1536, 8960, 151936
     norm = (8 + 4) * h  # bf16 compute: input, float32 copy, normalised, cast back
-    per_token = 28 * (2 * norm + 8 * h + 8 * i) + norm + 2 * h + 18 * v
-    assert lines["activations"] == 4 * (prompt + 1024) * per_token
+    per_token = 28 * (2 * norm + 10 * h + 8 * i) + norm + 2 * h + 18 * v  # 10 h: 8 h + the varlen concat
+    assert lines["activations"] == max(cfg.train.max_tokens_per_micro_batch, prompt + 1024) * per_token
     rollout, train, sync = (plan.phase_bytes(phase) for phase in plan.phases)
     # the optimizer is offloaded between train phases; the engine keeps its weights at sleep level 1
     assert rollout == int(0.5 * memory) + lines["reserve"]
@@ -95,12 +95,13 @@ def test_phases_follow_offload_sleep_level_and_mode():
 
 def test_a_run_that_does_not_fit_names_the_knob_that_makes_it_fit():
     arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
-    cfg = gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.micro_batch=32")
+    cfg = gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.max_tokens_per_micro_batch=32768")
     plan = plan_with_advice(cfg, arch, 80 * GiB, 200)
     assert not plan.fits and plan.peak.name == "train"
-    assert "does not fit" in plan.verdict() and "set train.micro_batch=8" in plan.verdict()
-    assert plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.micro_batch=8"), arch, 80 * GiB, 200).fits
-    assert not plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.micro_batch=16"), arch,
+    assert "does not fit" in plan.verdict() and "set train.max_tokens_per_micro_batch=8192" in plan.verdict()
+    budget = "train.max_tokens_per_micro_batch"
+    assert plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=8192"), arch, 80 * GiB, 200).fits
+    assert not plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=16384"), arch,
                            80 * GiB, 200).fits
 
     full_7b = gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml", "model.lora=null", "launch.nproc=1",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 # Keys every metrics line carries (DESIGN.md); modes fill the ones that do not apply with 0 / null.
@@ -28,6 +29,7 @@ class MetricsWriter:
         missing = [k for k in METRIC_KEYS if k not in record]
         if missing:
             raise KeyError(f"metrics line lacks {missing}")
+        record = {**record, "timestamp": record.get("timestamp", time.time())}  # wall clock for `colorl plot`
         line = json.dumps(record, sort_keys=False) + "\n"
         with open(self.path, "a", encoding="utf-8") as handle:  # append-only: a crash loses at most this line
             handle.write(line)
@@ -35,7 +37,7 @@ class MetricsWriter:
             os.fsync(handle.fileno())
         if self._tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
+                if isinstance(value, (int, float)) and key not in ("step", "timestamp"):
                     self._tb.add_scalar(key, value, record["step"])
                 elif isinstance(value, dict):  # e.g. staleness_hist: one curve per bin
                     for bin_name, count in value.items():

@@ -31,12 +31,12 @@ def main() -> None:
     model_dir, micro, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = load_config(None, [f"train.micro_batch={micro}", "launch.device=cpu"], check_paths=False)
+    cfg = load_config(None, [f"train.max_tokens_per_micro_batch={micro * seq}", "launch.device=cpu"],
+                      check_paths=False)
     trainer = PolicyTrainer(Path(model_dir), cfg, "cpu")
-    response = torch.zeros(micro, seq, dtype=torch.long)
-    response[:, seq // 4:] = 1
-    batch = TrainBatch(torch.randint(3, 250, (micro, seq)), torch.ones(micro, seq, dtype=torch.long), response,
-                       torch.full((micro, seq), -1.0), torch.randn(micro))
+    mask = [0.0] * (seq // 4) + [1.0] * (seq - seq // 4)
+    sequences = [(torch.randint(3, 250, (seq,)).tolist(), mask, [-1.0] * seq) for _ in range(micro)]
+    batch = TrainBatch.from_sequences(sequences, torch.randn(micro))  # one packed micro-batch
     trainer.train_step(batch)  # creates the optimizer state
     Path("/proc/self/clear_refs").write_text("5")
     before = status("VmRSS")

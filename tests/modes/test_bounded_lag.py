@@ -130,7 +130,9 @@ def test_eta_zero_trains_exactly_what_colocated_trains(tmp_path, monkeypatch, wo
     common = [f"--nproc={world}", *_argv([*BASE[:3], "run.steps=3"])]
     colocated, bounded = tmp_path / "colocated", tmp_path / "bounded"
     assert _cli(common + ["--run-dir", str(colocated)]) == 0
-    threads = max(1, (os.cpu_count() or 1) // world)  # what the launcher gives each rank
+    from colorl.launch import rank_threads
+
+    threads = rank_threads(world)  # what the launcher gives each rank
     same_threads = [f"launch.rollout_threads={threads}", f"launch.train_threads={threads}"]
     assert _cli(common + _argv(["mode=bounded_lag", "staleness.max=0", *same_threads])
                 + ["--run-dir", str(bounded)]) == 0
@@ -216,10 +218,10 @@ def test_ctrl_c_stops_both_loops_saves_and_exits_cleanly(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 130, err  # a clean save after Ctrl-C: the shell's "interrupted" code
     (saved,) = list((run / "checkpoints").iterdir())
     assert (saved / "rollout_rank0.json").is_file()
-    assert "continue with --resume" in out
+    assert "--resume" in err
 
 
 def _rank_with_failing_rollout_thread(rank, world, cfg_dict, run_dir, resume, device):
