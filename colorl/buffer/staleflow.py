@@ -189,3 +189,34 @@ class StaleFlowBuffers:
                 slot.state = DROPPED
                 dropped.append(slot)
         return dropped
+
+
+class RedundantStaleFlowBuffers(StaleFlowBuffers):
+    """Batch-level redundant rollout (paper Fig. 8b): every buffer has `surplus` extra entries
+    and is Ready as soon as `groups_per_step` of them are occupied; its reservations still in
+    flight are then aborted (returned by `complete`, state "released") and the buffer closes,
+    so the slowest groups of a step never hold it up. Shifts lengths short: the aborted groups
+    are the long ones."""
+
+    def __init__(self, groups_per_step: int, queue_factor: float = 1.0, eta: int | None = None,
+                 surplus: int = 1) -> None:
+        super().__init__(groups_per_step, queue_factor, eta)
+        if surplus < 1:
+            raise ValueError(f"surplus must be >= 1, got {surplus}")
+        self.surplus = surplus
+
+    def _buffer(self, vbuf: int) -> _Buffer:
+        buf = self.buffers.get(vbuf)
+        if buf is None:
+            buf = self.buffers[vbuf] = _Buffer(self.groups_per_step + self.surplus)
+        return buf
+
+    def complete(self, slot: Slot) -> list[Slot]:
+        super().complete(slot)
+        buf = self.buffers[slot.vbuf]
+        if len(buf.occupied) < self.groups_per_step:
+            return []
+        aborted, buf.reserved, buf.free = buf.reserved, [], 0
+        for other in aborted:
+            other.state, other.vbuf = RELEASED, -1
+        return aborted

@@ -86,3 +86,18 @@ def predicted_staleness_for(cfg, rho: float, m_tail: float) -> float:
         buffer=cfg.staleness.buffer,
         eta=cfg.staleness.max,
     )
+
+
+def predicted_split_for(cfg, rho: float, m_tail: float) -> tuple[float, float]:
+    """The formula's (PQS, IQS) for this step, next to the measured pre-queue / in-queue staleness.
+
+    Colocated mode: (0, 0). Not measured yet: (NaN, NaN). The bounded buffers cap the sum at η,
+    which the split does not show; the uncapped terms are what the formula says of the queue.
+    """
+    if cfg.mode == "colocated":
+        return 0.0, 0.0
+    if not (rho > 0 and math.isfinite(rho) and m_tail > 0 and math.isfinite(m_tail)):
+        return math.nan, math.nan
+    batch_rollouts = cfg.rollout.batch_groups * cfg.rollout.group_size
+    return (formula.pqs(cfg.rollout.concurrency, batch_rollouts, rho, max(1.0, m_tail)),
+            formula.iqs(rho, max(1.0, cfg.staleness.queue_factor)))

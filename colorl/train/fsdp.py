@@ -1,9 +1,11 @@
 """FSDP2 wrapping of a Hugging Face causal LM: one `fully_shard` per decoder block, then the root."""
 from __future__ import annotations
 
+import types
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -36,3 +38,13 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, cpu_offload: bool = Fa
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def add_forward_method(model: torch.nn.Module, name: str, fn) -> None:
+    """Bind `fn` to `model` as `model.<name>`, run by FSDP2 like `forward` (gathers around it).
+
+    The trainer's forward returns log-probs of the trained tokens, not the HF forward's logits; as a
+    registered forward method it gets the same unshard / reshard and backward hooks.
+    """
+    setattr(model, name, types.MethodType(fn, model))
+    register_fsdp_forward_method(model, name)

@@ -40,22 +40,21 @@ class LossStats:
 
 
 def grpo_token_loss(
-    logp: torch.Tensor,  # [N, T] logp_θ of the sampled tokens (with grad)
-    logp_mu: torch.Tensor,  # [N, T] behaviour log-probs from the engine
-    advantages: torch.Tensor,  # [N]
-    mask: torch.Tensor,  # [N, T] 1 on response tokens
+    logp: torch.Tensor,  # [...] logp_θ of the sampled tokens (with grad), e.g. [K] trained tokens
+    logp_mu: torch.Tensor,  # [...] behaviour log-probs from the engine
+    advantages: torch.Tensor,  # broadcastable to logp: each token's sequence advantage
+    mask: torch.Tensor,  # [...] 1 on tokens in the loss
     clip_low: float,
     clip_high: float,
     tis_cap: float,
-    logp_prox: torch.Tensor | None = None,  # [N, T]; None: one step per batch, so logp_θ detached
+    logp_prox: torch.Tensor | None = None,  # [...]; None: one step per batch, so logp_θ detached
 ) -> tuple[torch.Tensor, LossStats]:
-    """Per-token loss [N, T] (zero off the mask) and its stats; aggregation is the caller's."""
+    """Per-token loss (zero off the mask, same shape as logp) and its stats; aggregation is the caller's."""
     logp_prox = logp.detach() if logp_prox is None else logp_prox
-    weight = torch.exp(logp_prox - logp_mu).clamp(max=tis_cap)  # [N, T], stop-gradient
-    ratio = torch.exp(logp - logp_prox)  # [N, T], value 1, gradient of logp
-    adv = advantages.unsqueeze(1)  # [N, 1]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    weight = torch.exp(logp_prox - logp_mu).clamp(max=tis_cap)  # stop-gradient
+    ratio = torch.exp(logp - logp_prox)  # value 1, gradient of logp
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -weight * torch.minimum(unclipped, clipped) * mask
     with torch.no_grad():
         raw_weight = torch.exp(logp_prox - logp_mu)
@@ -72,14 +71,19 @@ def grpo_token_loss(
 
 
 def kl_to_reference(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(θ‖ref) per token [N, T], with gradient through logp_θ."""
+    """k3 estimate of KL(θ‖ref) per token, with gradient through logp_θ."""
     log_ratio = logp_ref - logp
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:
-    """Sum this micro-batch's share of the global mean (token-mean or sequence-mean)."""
+def aggregate(per_token: torch.Tensor, seq_ids: torch.Tensor, mode: str, total_tokens: float,
+              total_seqs: float) -> torch.Tensor:
+    """Sum this micro-batch's share of the global mean (token-mean or sequence-mean).
+
+    per_token [K] over the micro-batch's trained tokens, seq_ids [K] the sequence of each.
+    """
     if mode == "token_mean":
         return per_token.sum() / total_tokens
-    seq_lens = mask.sum(dim=1).clamp(min=1)
-    return (per_token.sum(dim=1) / seq_lens).sum() / total_seqs
+    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    per_seq = per_token.new_zeros(n).index_add(0, seq_ids, per_token)  # [n]
+    return (per_seq / torch.bincount(seq_ids, minlength=n).clamp(min=1)).sum() / total_seqs

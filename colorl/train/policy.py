@@ -1,34 +1,19 @@
-"""The training engine: an FSDP2-sharded policy with AdamW, micro-batches and grad accumulation."""
+"""The training engine: an FSDP2-sharded policy with AdamW, packed micro-batches and grad accumulation."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from colorl.train.fsdp import make_mesh, shard_model
-from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.models import load_model
-
-
-@dataclass
-class TrainBatch:
-    """One rank's share of a step's rollouts, right-padded to a common length."""
-
-    input_ids: torch.Tensor  # [N, L] prompt + response
-    attention_mask: torch.Tensor  # [N, L]
-    response_mask: torch.Tensor  # [N, L] 1 where the token was generated
-    behaviour_logp: torch.Tensor  # [N, L] engine log-prob of each generated token (0 elsewhere)
-    advantages: torch.Tensor  # [N]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def slice(self, start: int, stop: int) -> "TrainBatch":
-        return TrainBatch(*(t[start:stop] for t in (self.input_ids, self.attention_mask, self.response_mask,
-                                                    self.behaviour_logp, self.advantages)))
+from colorl.train.attention import packed_attention
+from colorl.train.fsdp import add_forward_method, make_mesh, shard_model
+from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
+from colorl.train.head import sampled_token_logprobs
+from colorl.train.packing import MicroBatch, TrainBatch, pack, plan_micro_batches, split_to_count
 
 
 @dataclass
@@ -66,7 +51,7 @@ class PolicyTrainer:
     def __init__(self, model_dir: Path, cfg, device: str, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
         self.device = device
-        model = load_model(model_dir, dtype)
+        model = self._load(model_dir, dtype)
         if cfg.model.lora is not None:
             model = apply_lora(model, cfg.model.lora)
         model.to(device)
@@ -84,22 +69,33 @@ class PolicyTrainer:
         """The frozen initial policy for the KL term. With LoRA it is the same model, adapters off."""
         if self.cfg.model.lora is not None:
             return self.model
-        reference = load_model(model_dir, dtype).to(self.device).eval()
+        reference = self._load(model_dir, dtype).to(self.device).eval()
         reference.requires_grad_(False)
         return self._shard(reference)
 
+    def _load(self, model_dir: Path, dtype: torch.dtype):
+        model = load_model(model_dir, dtype)
+        model.set_attn_implementation(packed_attention(self.device))
+        return model
+
     def _shard(self, model):
-        if not dist.is_initialized():
-            return model
-        return shard_model(model, make_mesh(self.device), compute_dtype=self.compute_dtype)
+        """FSDP2 when distributed; either way `model.sampled_token_logprobs` is the forward the trainer runs."""
+        if dist.is_initialized():
+            model = shard_model(model, make_mesh(self.device), compute_dtype=self.compute_dtype)
+        add_forward_method(model, "sampled_token_logprobs", sampled_token_logprobs)
+        return model
+
+    def token_logprobs(self, model, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logp [K] of the micro-batch's trained tokens under `model`, and the entropy [K] there."""
+        return model.sampled_token_logprobs(micro, self.temperature, self.cfg.train.logits_chunk_tokens)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: "TrainBatch") -> torch.Tensor:
-        """logp_ref [N, L] under the initial policy."""
+    def reference_logprobs(self, micro: MicroBatch) -> torch.Tensor:
+        """logp_ref [K] under the initial policy."""
         if self.cfg.model.lora is not None:
             with self.model.disable_adapter():
-                return self._logprobs(self.model, batch)[0]
-        return self._logprobs(self.reference, batch)[0]
+                return self.token_logprobs(self.model, micro)[0]
+        return self.token_logprobs(self.reference, micro)[0]
 
     # -- phases 4 and 6: training state on / off the device
     def onload(self) -> None:
@@ -112,57 +108,18 @@ class PolicyTrainer:
                 torch.cuda.synchronize()  # the copies are non-blocking; a checkpoint may read them next
 
     def _move_optimizer(self, device: str) -> None:
+        # AdamW keeps `step` on the CPU on purpose: on CUDA its non-capturable path reads it with
+        # .item(), a device sync per parameter per step
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device.type != torch.device(device).type:
+                if key != "step" and isinstance(value, torch.Tensor) and value.device.type != torch.device(device).type:
                     state[key] = value.to(device, non_blocking=True)
-
-    # -- log-probs
-    def token_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logp_θ [N, L] of each token given its prefix (position 0 gets 0) and entropy [N, L]."""
-        return self._logprobs(self.model, batch)
-
-    def _logprobs(self, model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = batch.input_ids.to(self.device)
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(self.device)).logits
-        logits = logits[:, :-1].float() / self.temperature  # [N, L-1, V]; same temperature as sampling
-        log_norm = torch.logsumexp(logits, dim=-1)  # [N, L-1]
-        picked = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - log_norm  # [N, L-1]
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = log_norm - (probs * logits).sum(-1)  # [N, L-1]
-        pad = torch.zeros_like(picked[:, :1])
-        return torch.cat([pad, picked], 1), torch.cat([pad, entropy], 1)
 
     # -- phase 5
     def train_step(self, batch: TrainBatch) -> TrainStats:
         started = time.perf_counter()
-        loss_cfg = self.cfg.loss
-        mask = batch.response_mask.float()
-        kept_rows = float(mask.any(dim=1).sum())  # zero-variance groups masked out do not count
-        total_tokens, total_seqs = _all_reduce([float(mask.sum()), kept_rows])
-        token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        stats, entropy_sum, loss_sum, kl_ref_sum = LossStats(), 0.0, 0.0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        micro = self.cfg.train.micro_batch
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro)
-            part_mask = part.response_mask.float().to(self.device)
-            logp, entropy = self.token_logprobs(part)
-            per_token, part_stats = grpo_token_loss(
-                logp, part.behaviour_logp.to(self.device), part.advantages.to(self.device), part_mask,
-                loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.tis_cap,
-            )
-            if self.reference is not None:
-                kl = kl_to_reference(logp, self.reference_logprobs(part)) * part_mask  # [n, L]
-                per_token = per_token + loss_cfg.kl_coef * kl
-                kl_ref_sum += float(kl.detach().sum())
-            loss = aggregate(per_token, part_mask, loss_cfg.aggregation, token_denom, seq_denom)
-            (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
-            loss_sum += float(loss.detach())
-            entropy_sum += float((entropy * part_mask).sum())
-            stats = _add(stats, part_stats)
+        sums = self.accumulate_gradients(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.train.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -171,17 +128,68 @@ class PolicyTrainer:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        summed = _all_reduce([loss_sum, stats.is_weight_sum, stats.truncated, stats.clipped,
-                              stats.kl_mu_theta_sum, entropy_sum, kl_ref_sum])
-        (weight_max,) = _all_reduce([stats.is_weight_max], op=dist.ReduceOp.MAX)
+        summed = _all_reduce([sums.loss, sums.stats.is_weight_sum, sums.stats.truncated, sums.stats.clipped,
+                              sums.stats.kl_mu_theta_sum, sums.entropy, sums.kl_ref])
+        (weight_max,) = _all_reduce([sums.stats.is_weight_max], op=dist.ReduceOp.MAX)
         loss_total, weight_sum, truncated, clipped, kl_sum, ent_sum, kl_ref_total = summed
-        denom = token_denom
+        denom = max(sums.tokens, 1.0)
         return TrainStats(
-            loss=loss_total, grad_norm=float(grad_norm), tokens=int(total_tokens),
+            loss=loss_total, grad_norm=float(grad_norm), tokens=int(sums.tokens),
             seconds=time.perf_counter() - started, is_weight_mean=weight_sum / denom, is_weight_max=weight_max,
             is_truncated_frac=truncated / denom, clip_frac=clipped / denom, kl_mu_theta=kl_sum / denom,
             entropy=ent_sum / denom, kl_ref=kl_ref_total / denom,
         )
+
+    def accumulate_gradients(self, batch: TrainBatch) -> "StepSums":
+        """Backward of the global-mean loss over this rank's micro-batches; the gradients stay in .grad.
+
+        Every rank runs the same number of micro-batches (the most any rank needs), padding its
+        plan with placeholders that contribute nothing, because each forward gathers FSDP shards.
+        """
+        loss_cfg = self.cfg.loss
+        trained = batch.trained_tokens()  # [N]; sequences with none (masked groups) are never run
+        total_tokens, total_seqs = _all_reduce([float(trained.sum()), float((trained > 0).sum())])
+        token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        lengths = {i: int(n) for i, n in enumerate(batch.seq_lens.tolist()) if trained[i] > 0}
+        plan = plan_micro_batches(lengths, self.cfg.train.max_tokens_per_micro_batch)
+        (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
+        sums = StepSums(tokens=total_tokens)
+        for indices in split_to_count(plan, lengths, int(count)):
+            micro = pack(batch, indices)
+            logp, entropy = self.token_logprobs(self.model, micro)  # [K]
+            per_token, part_stats = grpo_token_loss(
+                logp, micro.behaviour_logp.to(self.device), micro.advantages.to(self.device), torch.ones_like(logp),
+                loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.tis_cap,
+            )
+            kl = kl_to_reference(logp, self.reference_logprobs(micro)) if self.reference is not None else None
+            if kl is not None:
+                per_token = per_token + loss_cfg.kl_coef * kl
+            loss = aggregate(per_token, micro.seq_ids.to(self.device), loss_cfg.aggregation, token_denom, seq_denom)
+            if micro.dummy:
+                (loss * 0.0).backward()  # same collectives as the other ranks, no gradient
+                continue
+            (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
+            sums.add(float(loss.detach()), part_stats, float(entropy.sum()),
+                     float(kl.detach().sum()) if kl is not None else 0.0)
+        return sums
+
+
+@dataclass
+class StepSums:
+    """This rank's sums over its micro-batches; `tokens` is already the global count."""
+
+    tokens: float
+    loss: float = 0.0
+    stats: LossStats = field(default_factory=LossStats)
+    entropy: float = 0.0
+    kl_ref: float = 0.0
+
+    def add(self, loss: float, stats: LossStats, entropy: float, kl_ref: float) -> None:
+        self.loss += loss
+        self.stats = _add(self.stats, stats)
+        self.entropy += entropy
+        self.kl_ref += kl_ref
 
 
 def _add(a: LossStats, b: LossStats) -> LossStats:

@@ -89,16 +89,26 @@ def test_predict_from_run(config, tmp_path, capsys):
 
 
 def test_predict_table(config, capsys):
-    assert run("predict", config, "--rho", "0.8") == 0
+    assert run("predict", config, "--rho", "0.8", "--mode", "bounded_lag") == 0
     text = capsys.readouterr().out
     assert "PQS" in text and "IQS" in text and "Advice" in text
+
+
+def test_predict_colocated_gives_no_async_advice_and_assumes_m_tail_aloud(capsys):
+    assert run("predict", "configs/quickstart.yaml", "--rho", "2") == 0
+    text = capsys.readouterr().out
+    assert "mode=colocated, buffer=staleflow, η=0" in text and "Advice" not in text and "│ PQS" not in text
+    assert "M_tail" in text and "assumed: lengths of mean 6, tailness 50, cap 24" in text
+    assert run("predict", "configs/quickstart.yaml", "--rho", "2", "--mode", "bounded_lag") == 0
+    assert "Advice" in capsys.readouterr().out
+    assert run("simulate", "configs/quickstart.yaml", "--steps", "50") == 0
+    assert "η=0" in capsys.readouterr().out  # the same η as predict for the same config
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rho", "-1"], "--rho"),
     (["--m-tail", "0.5"], "--m-tail"),
     (["--from", "/no/such/run"], "no such run directory"),
-    (["--set", "rollout.length_override=null"], "M_tail unknown"),
     (["--set", "rollout.concurency=3"], "concurrency"),
     (["--set", "staleness.queue_factor=0.5"], "queue_factor"),
 ])

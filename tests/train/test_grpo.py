@@ -24,12 +24,12 @@ def test_loss_truncated_is_and_token_mean_by_hand():
     logp_mu = torch.tensor([[-1.0, -3.0, -0.4], [-1.0, -0.2, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv = torch.tensor([2.0, -1.0])
-    per_token, stats = grpo_token_loss(logp, logp_mu, adv, mask, clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    per_token, stats = grpo_token_loss(logp, logp_mu, adv.unsqueeze(1), mask, clip_low=0.2, clip_high=0.28, tis_cap=2.0)
     # w = min(exp(logp - logp_mu), 2): row 0: [1, min(e, 2) = 2, e^-0.1]; row 1: [e^-0.5, 1, -]
     w = torch.tensor([[1.0, 2.0, math.exp(-0.1)], [math.exp(-0.5), 1.0, 0.0]])
     expected = -w * adv.unsqueeze(1) * mask
     assert torch.allclose(per_token, expected, atol=1e-6)
-    loss = aggregate(per_token, mask, "token_mean", total_tokens=5.0, total_seqs=2.0)
+    loss = aggregate(per_token[mask.bool()], torch.tensor([0, 0, 0, 1, 1]), "token_mean", total_tokens=5.0, total_seqs=2.0)
     assert math.isclose(loss.item(), float(expected.sum() / 5), rel_tol=1e-6)
     loss.backward()
     # ratio = exp(logp - logp_prox) has value 1 and gradient 1 w.r.t. logp: d loss / d logp = -w·A / 5
@@ -45,7 +45,7 @@ def test_ppo_clip_with_a_stale_proximal_policy():
     mask = torch.ones(1, 2)
     for advantage, clipped_expected in ((1.0, True), (-1.0, False)):
         logp.grad = None
-        per_token, stats = grpo_token_loss(logp, logp_prox, torch.tensor([advantage]), mask, 0.2, 0.28, 10.0,
+        per_token, stats = grpo_token_loss(logp, logp_prox, torch.tensor([[advantage]]), mask, 0.2, 0.28, 10.0,
                                            logp_prox=logp_prox)
         per_token.sum().backward()
         if clipped_expected:  # A > 0 and ratio > 1 + ε_high: clipped, no gradient
@@ -57,10 +57,10 @@ def test_ppo_clip_with_a_stale_proximal_policy():
 
 
 def test_sequence_mean_weights_each_sequence_equally():
-    per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
-    assert float(aggregate(per_token, mask, "seq_mean", 5.0, 2.0)) == (1.0 + 4.0) / 2
-    assert math.isclose(float(aggregate(per_token, mask, "token_mean", 5.0, 2.0)), 8.0 / 5, rel_tol=1e-6)
+    per_token = torch.tensor([1.0, 1.0, 1.0, 1.0, 4.0])  # the trained tokens of two sequences
+    seq_ids = torch.tensor([0, 0, 0, 0, 1])
+    assert float(aggregate(per_token, seq_ids, "seq_mean", 5.0, 2.0)) == (1.0 + 4.0) / 2
+    assert math.isclose(float(aggregate(per_token, seq_ids, "token_mean", 5.0, 2.0)), 8.0 / 5, rel_tol=1e-6)
 
 
 def test_kl_to_reference_k3_by_hand():

@@ -6,7 +6,8 @@ import math
 import torch
 
 from colorl.config import load_config
-from colorl.train.policy import PolicyTrainer, TrainBatch
+from colorl.train.packing import TrainBatch
+from colorl.train.policy import PolicyTrainer
 
 
 def _batch(n: int = 4, length: int = 10, vocab: int = 200) -> TrainBatch:
@@ -15,12 +16,12 @@ def _batch(n: int = 4, length: int = 10, vocab: int = 200) -> TrainBatch:
     response = torch.zeros(n, length)
     response[:, 6:] = 1
     behaviour = torch.full((n, length), -5.0) * response
-    return TrainBatch(ids, torch.ones(n, length, dtype=torch.long), response, behaviour,
-                      torch.tensor([1.0, -1.0, 0.5, -0.5])[:n])
+    return TrainBatch.from_sequences([(ids[i].tolist(), response[i].tolist(), behaviour[i].tolist()) for i in range(n)],
+                                     torch.tensor([1.0, -1.0, 0.5, -0.5])[:n])
 
 
 def _trainer(tiny_model_dir, *sets):
-    cfg = load_config("configs/tiny.yaml", ["train.micro_batch=2", *sets], check_paths=False)
+    cfg = load_config("configs/tiny.yaml", ["train.max_tokens_per_micro_batch=20", *sets], check_paths=False)
     return PolicyTrainer(tiny_model_dir, cfg, "cpu")
 
 
@@ -56,6 +57,6 @@ def test_sequence_mean_counts_only_rows_that_are_trained(tiny_model_dir):
     full, half = _trainer(tiny_model_dir, "loss.aggregation=seq_mean"), _trainer(tiny_model_dir, "loss.aggregation=seq_mean")
     kept = _batch(n=2)
     both = _batch(n=4)
-    both.input_ids[:2], both.behaviour_logp[:2], both.advantages[:2] = kept.input_ids, kept.behaviour_logp, kept.advantages
-    both.response_mask[2:] = 0
+    both.input_ids[:20], both.behaviour_logp[:20], both.advantages[:2] = kept.input_ids, kept.behaviour_logp, kept.advantages
+    both.response_mask[20:] = 0
     assert math.isclose(full.train_step(kept).loss, half.train_step(both).loss, rel_tol=1e-5)

@@ -1,0 +1,459 @@
+"""One colocated GRPO step, phase by phase, before/after packing (issue 13), and TRL at equal work.
+
+Workloads (SmolLM2-135M-Instruct, fp32, 8 prompts x 4 samples, T = 1, one rank):
+- two_digit: "What is a + b? Put the final answer after ####.", two-digit operands, <= 64 new tokens.
+- long_tail: the same prompts, lengths from `rollout.length_override {mean: 64, tailness: 90, cap: 512}`.
+
+`before` is the padded trainer at --before (default 8c04575, the commit issue 13 started from),
+checked out into a temporary git worktree; `after` is this tree. Each run is its own process
+(PYTHONPATH picks the tree), driving the real phases (rollout, train, sync) of `colorl.modes`
+for --steps steps; the first step is warm-up, the rest are reported. Runs are interleaved
+(before, after, before, after ...) because the machine is shared: quote the ratios.
+
+Per phase: seconds, peak resident memory (VmHWM, reset at each phase start), and for training
+train tokens/s (prompt + response tokens of the batch) and FLOP utilisation: the FLOPs the loss
+needs (6 x non-embedding params per token, causal attention, LM head at response tokens only)
+over the phase time, against the fp32 matmul rate measured in the same process.
+
+With --trl-site DIR (a `pip install --target DIR --no-deps trl` next to this venv's packages), TRL's
+GRPOTrainer runs the same prompts at equal work (8 x 4, <= 64 new tokens, T = 1, beta 0, one
+optimizer step per generation batch) and reports step time, completion tokens/s and peak memory.
+
+    flock /tmp/colorl-cpu.lock python bench/step.py [--repeats 2] [--steps 2] [--trl-site /tmp/trl-site]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEFORE = "8c04575"
+SUFFIX = "Put the final answer after ####."
+WORKLOADS = {
+    "two_digit": {"rollout.max_new_tokens": 64},
+    "long_tail": {"rollout.max_new_tokens": 512, "rollout.length_override": {"mean": 64, "tailness": 90, "cap": 512}},
+}
+
+
+def write_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            f.write(json.dumps({"prompt": f"What is {a} + {b}? {SUFFIX}", "answer": str(a + b)}) + "\n")
+    return path
+
+
+def config(workload: str, prompts: Path, run_dir: Path, precision: str | None, model: str) -> dict:
+    cfg = {
+        "run": {"name": "bench-step", "dir": str(run_dir.parent), "seed": 0, "steps": 100, "save_every": 0,
+                "eval_every": 0},
+        "model": {"path": model, "dtype": "float32"},
+        "task": {"name": "jsonl", "path": str(prompts), "options": {"eval_fraction": 0.0}},
+        "rollout": {"engine": "native", "group_size": 4, "batch_groups": 8, "temperature": 1.0, "concurrency": 32},
+        "train": {"lr": 2.0e-5, "grad_clip": 1.0, "mixed_precision": precision},
+        "engine": {"block_size": 16, "max_num_seqs": 32},
+        "sync": {"bucket_mb": 64},
+    }
+    for key, value in WORKLOADS[workload].items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    return cfg
+
+
+# -- inside a run's process (PYTHONPATH = the tree under test) --------------------------------------
+
+def peak_mb() -> float:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def matmul_rate(seconds: float = 1.0) -> float:
+    """fp32 FLOP/s of a large matmul on this process's threads: the compute ceiling of a step."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        done += 1
+    return done * 2 * 2048**3 / (time.perf_counter() - started)
+
+
+def read_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes/s of summing a 512 MiB tensor: the memory-read rate bench/engine.py's decode floor uses."""
+    import torch
+
+    big = torch.ones(128 * 2**20)
+    big.sum()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        big.sum()
+        done += 1
+    return done * big.nbytes / (time.perf_counter() - started)
+
+
+class RolloutProfile:
+    """Times the native engine's model calls and sampler inside the real rollout, and the floor its
+    steps imply: (weights + KV of the batch) / read bandwidth per decode step (bench/engine.py's
+    floor) and 2 x params x tokens / matmul rate per prefill token. The physical floor also lets a
+    decode step be compute-bound: max(that read time, 2 x params x rows / matmul rate)."""
+
+    def __init__(self, engine, bandwidth: float, rate: float) -> None:
+        from colorl.engines.native.model_runner import kv_bytes_per_block
+
+        self.engine, self.bandwidth, self.rate = engine, bandwidth, rate
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+        self.params = sum(t.numel() for t in engine.model.state_dict().values())
+        self.kv_per_token = kv_bytes_per_block(engine.spec, 1, engine.dtype)
+        self.model_s = self.sample_s = self.floor_s = self.physical_s = 0.0
+        self.decode_steps = self.decode_rows = self.prefill_tokens = 0
+        run, sample = engine.runner.run, engine.sampler
+
+        def timed_run(batch):
+            started = time.perf_counter()
+            out = run(batch)
+            self.model_s += time.perf_counter() - started
+            decodes = [i for i in range(len(batch)) if batch.num_tokens[i] == 1]
+            prefill = sum(n for n in batch.num_tokens if n > 1)
+            if decodes:
+                self.decode_steps += 1
+                self.decode_rows += len(decodes)
+                context = sum(batch.starts[i] + 1 for i in decodes)
+                memory = (self.weight_bytes + context * self.kv_per_token) / self.bandwidth
+                self.floor_s += memory
+                self.physical_s += max(memory, 2 * self.params * len(decodes) / self.rate)
+            self.prefill_tokens += prefill
+            self.floor_s += 2 * self.params * prefill / self.rate
+            self.physical_s += 2 * self.params * prefill / self.rate
+            return out
+
+        def timed_sample(logits, rows):
+            started = time.perf_counter()
+            out = sample(logits, rows)
+            self.sample_s += time.perf_counter() - started
+            return out
+
+        engine.runner.run, engine.sampler = timed_run, timed_sample
+
+    def take(self) -> dict:
+        row = {"rollout_model_s": self.model_s, "rollout_sample_s": self.sample_s, "rollout_floor_s": self.floor_s,
+               "rollout_physical_floor_s": self.physical_s,
+               "decode_steps": self.decode_steps, "decode_batch_mean": self.decode_rows / max(self.decode_steps, 1),
+               "prefill_tokens": self.prefill_tokens}
+        self.model_s = self.sample_s = self.floor_s = self.physical_s = 0.0
+        self.decode_steps = self.decode_rows = self.prefill_tokens = 0
+        return row
+
+
+def needed_flops(model, groups) -> float:
+    """FLOPs the GRPO loss needs for one forward + backward over the batch (no padding, no prompt logits)."""
+    cfg = model.config
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    flops = 0.0
+    for g in groups:
+        for r in g.results:
+            length, response = len(r.prompt_ids) + len(r.output_ids), len(r.output_ids)
+            flops += 6 * params * length  # every token through every layer
+            flops += 6 * cfg.num_hidden_layers * 2 * cfg.num_attention_heads * head_dim * length * (length + 1) / 2
+            flops += 6 * cfg.hidden_size * cfg.vocab_size * response  # logits of the trained tokens
+    return flops
+
+
+def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from colorl.config import validate
+    from colorl.distributed import free_port, init_process_group
+    from colorl.rollout.collect import collect_groups
+    from colorl.train.batch import build_batch
+    from colorl.worker import build_context, prepare_run_dir
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rate, bandwidth = matmul_rate(), read_bandwidth()
+    init_process_group(0, 1, free_port(), "cpu")
+    cfg = validate(cfg_dict)
+    run_dir = Path(cfg.run.dir) / cfg.run.name
+    prepare_run_dir(cfg, run_dir, resume=False)
+    ctx = build_context(cfg, 0, 1, "cpu", run_dir, resume=False)
+    engine, trainer = ctx.engine, ctx.trainer
+    ctx.weight_sync.sync(engine, 0)
+    profile = RolloutProfile(engine, bandwidth, rate)
+    setup_mb = peak_mb()
+    records = []
+    for step in range(steps):
+        row = {"step": step}
+        reset_peak()
+        started = time.perf_counter()
+        engine.wake()
+        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+        engine.sleep(cfg.engine.sleep_level)
+        row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()
+        row.update(profile.take())
+
+        reset_peak()
+        started = time.perf_counter()
+        trainer.onload()
+        batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id, cfg.filter.zero_variance)
+        stats = trainer.train_step(batch)
+        trainer.offload()
+        row["train_s"], row["train_peak_mb"] = time.perf_counter() - started, peak_mb()
+
+        reset_peak()
+        started = time.perf_counter()
+        ctx.weight_sync.sync(engine, ctx.state.version + 1)
+        row["sync_s"], row["sync_peak_mb"] = time.perf_counter() - started, peak_mb()
+        ctx.state.step += 1
+        ctx.state.version += 1
+        ctx.state.data_position += cfg.rollout.batch_groups
+
+        row["step_peak_mb"] = max(row["rollout_peak_mb"], row["train_peak_mb"], row["sync_peak_mb"])
+        samples = [r for g in groups for r in g.results]
+        row["completion_tokens"] = sum(len(r.output_ids) for r in samples)
+        row["train_tokens"] = sum(len(r.prompt_ids) + len(r.output_ids) for r in samples)
+        row["padded_tokens"] = len(samples) * max(len(r.prompt_ids) + len(r.output_ids) for r in samples)
+        row["loss"], row["tokens_in_loss"] = stats.loss, stats.tokens
+        row["needed_gflop"] = needed_flops(trainer.model, groups) / 1e9
+        records.append(row)
+    dist.destroy_process_group()
+    out.write_text(json.dumps({"matmul_gflops": rate / 1e9, "read_gb_s": bandwidth / 1e9, "setup_peak_mb": setup_mb,
+                               "steps": records}))
+
+
+# -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
+
+def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_path: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from colorl.models import resolve_model_path
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = resolve_model_path(model_path)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                              for r in rows[: 8 * steps]])
+
+    def reward(completions, answer, **_):
+        texts = [c[-1]["content"] for c in completions]
+        return [float(t.rsplit("####", 1)[-1].strip().split()[:1] == [a]) if "####" in t else 0.0
+                for t, a in zip(texts, answer)]
+
+    timings: list[dict] = []
+
+    class Phases(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            reset_peak()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            timings.append({"step_s": time.perf_counter() - self.started, "step_peak_mb": peak_mb()})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs and timings:
+                timings[-1]["completion_tokens"] = logs["completions/mean_length"] * 32
+                timings[-1]["loss"] = logs.get("loss")
+
+    args = GRPOConfig(
+        output_dir=str(out.parent / "trl"), per_device_train_batch_size=32, num_generations=4,
+        gradient_accumulation_steps=1, max_completion_length=64, temperature=1.0, top_p=1.0, learning_rate=2e-5,
+        beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        bf16=precision == "bfloat16", seed=0, dataloader_num_workers=0, shuffle_dataset=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[Phases()])
+    trainer.train()
+    out.write_text(json.dumps({"steps": timings}))
+
+
+# -- the LM-head chunk size (train.logits_chunk_tokens) ---------------------------------------------
+
+def chunk_sweep(out: Path, tokens: int = 1536, hidden: int = 576, vocab: int = 49152) -> None:
+    """Forward + backward of the sampled-token head at SmolLM2's shapes, per chunk size: time, peak."""
+    import torch
+
+    from colorl.train.head import SampledTokenHead
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    weight = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,))
+    rows = []
+    for repeat in range(2):
+        for chunk in (256, 512, 1024, 2048):
+            h = torch.randn(tokens, hidden, requires_grad=True)
+            weight.grad = None
+            reset_peak()
+            base = peak_mb()
+            started = time.perf_counter()
+            logp, _ = SampledTokenHead.apply(h, weight, targets, 1.0, chunk)
+            logp.sum().backward()
+            rows.append({"repeat": repeat, "chunk": chunk, "seconds": time.perf_counter() - started,
+                         "peak_above_start_mb": peak_mb() - base})
+    out.write_text(json.dumps({"tokens": tokens, "rows": rows}))
+
+
+# -- the parent: interleaved runs, table, JSON -------------------------------------------------------
+
+def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), extra_path) if p),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)], env=env,
+                       check=True, cwd=tree, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def try_spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
+    """TRL is someone else's code: a failure there is reported, not fatal to the colorl figures."""
+    try:
+        return spawn(tree, argv, extra_path)
+    except subprocess.CalledProcessError as exc:
+        print(f"TRL run failed (exit {exc.returncode})", file=sys.stderr)
+        return {"steps": [{"step_s": float("nan"), "step_peak_mb": float("nan"), "completion_tokens": float("nan")}]}
+
+
+def before_tree(ref: str, tmp: Path) -> Path:
+    path = tmp / "before"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
+
+
+def summarise(run: dict) -> dict:
+    timed = run["steps"][1:] or run["steps"]
+    mean = lambda key: statistics.mean(r[key] for r in timed)  # noqa: E731
+    row = {k: mean(k) for k in timed[0] if isinstance(timed[0][k], (int, float)) and k != "step"}
+    if "train_s" in row:
+        row["train_tokens_per_s"] = row["train_tokens"] / row["train_s"]
+        row["step_s"] = row["rollout_s"] + row["train_s"] + row["sync_s"]
+        row["flop_utilisation"] = row["needed_gflop"] / row["train_s"] / run["matmul_gflops"]
+        row["matmul_gflops"] = run["matmul_gflops"]
+        row["setup_peak_mb"] = run["setup_peak_mb"]
+        row["read_gb_s"] = run["read_gb_s"]
+        row["rollout_over_floor"] = row["rollout_s"] / row["rollout_floor_s"]
+        row["rollout_over_physical_floor"] = row["rollout_s"] / row["rollout_physical_floor_s"]
+    row["completion_tokens_per_s"] = row["completion_tokens"] / row["step_s"]
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is warm-up")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--before", default=BEFORE, help="git ref of the padded trainer")
+    parser.add_argument("--precision", default=None, choices=["bfloat16"], help="train.mixed_precision")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model.path (tiny-random-llama: smoke test)")
+    parser.add_argument("--trl-site", default=None, help="folder with TRL installed (--target); none: skip TRL")
+    parser.add_argument("--chunk-sweep", action="store_true", help="time the LM-head chunk sizes and exit")
+    parser.add_argument("--worker", choices=["colorl", "trl", "chunks"], help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "colorl":
+        run_worker(json.loads(args.config), args.steps, Path(args.out))
+        return 0
+    if args.worker == "chunks":
+        chunk_sweep(Path(args.out))
+        return 0
+    if args.chunk_sweep:
+        sweep = spawn(ROOT, ["--worker", "chunks"])
+        for row in sweep["rows"]:
+            print(row)
+        (ROOT / "bench" / "results" / "step_chunks.json").write_text(json.dumps(sweep, indent=2))
+        return 0
+    if args.worker == "trl":
+        run_trl(args.steps, Path(args.prompts), Path(args.out), args.precision, args.model)
+        return 0
+
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        prompts = write_prompts(tmp / "prompts.jsonl")
+        trees = {"before": before_tree(args.before, tmp), "after": ROOT}
+        try:
+            for repeat in range(args.repeats):
+                for workload in args.workloads:
+                    for name, tree in trees.items():
+                        cfg = config(workload, prompts, tmp / f"{name}-{workload}-{repeat}" / "bench-step",
+                                     args.precision, args.model)
+                        run = spawn(tree, ["--worker", "colorl", "--steps", str(args.steps),
+                                           "--config", json.dumps(cfg)])
+                        results.setdefault(workload, {}).setdefault(name, []).append(summarise(run))
+                        print(f"{workload} {name} repeat {repeat}: {results[workload][name][-1]}", flush=True)
+                if args.trl_site and "two_digit" in args.workloads:
+                    run = try_spawn(ROOT, ["--worker", "trl", "--steps", str(args.steps), "--prompts", str(prompts),
+                                       "--model", args.model,
+                                       *(["--precision", args.precision] if args.precision else [])], args.trl_site)
+                    results.setdefault("two_digit", {}).setdefault("trl", []).append(summarise(run))
+                    print(f"two_digit trl repeat {repeat}: {results['two_digit']['trl'][-1]}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"])], cwd=ROOT, check=False)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "before": args.before,
+              "precision": args.precision or "float32", "steps": args.steps, "repeats": args.repeats,
+              "workloads": results}
+    print_table(results)
+    name = "step.json" if not args.precision else f"step_{args.precision}.json"
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_table(results: dict) -> None:
+    columns = [("step_s", "step s", ".1f"), ("rollout_s", "rollout s", ".1f"), ("train_s", "train s", ".1f"),
+               ("sync_s", "sync s", ".2f"), ("completion_tokens_per_s", "compl tok/s", ".1f"),
+               ("train_tokens_per_s", "train tok/s", ".0f"), ("flop_utilisation", "FLOP util", ".1%"),
+               ("rollout_over_floor", "roll/floor", ".2f"),
+               ("rollout_over_physical_floor", "roll/phys", ".2f"), ("rollout_peak_mb", "rollout MB", ".0f"),
+               ("train_peak_mb", "train MB", ".0f"),
+               ("step_peak_mb", "peak MB", ".0f")]
+    for workload, runs in results.items():
+        print(f"\n{workload}")
+        print(f"{'':8}" + "".join(f"{title:>13}" for _, title, _ in columns))
+        for name, rows in runs.items():
+            cells = []
+            for key, _, fmt in columns:
+                values = [r[key] for r in rows if key in r]
+                cells.append(f"{statistics.median(values):>13{fmt}}" if values else f"{'-':>13}")
+            print(f"{name:8}" + "".join(cells))
+        base = runs.get("before")
+        if base is None:
+            continue
+        for name in [n for n in runs if n != "before"]:
+            ratios = {key: statistics.median(r[key] for r in base) / statistics.median(r[key] for r in runs[name])
+                      for key in ("step_s", "train_s") if key in runs[name][0]}
+            ratios["completion_tokens_per_s"] = (statistics.median(r["completion_tokens_per_s"] for r in runs[name])
+                                                 / statistics.median(r["completion_tokens_per_s"] for r in base))
+            print(f"  {name} vs before: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+        if "trl" in runs and "after" in runs:
+            ratio = (statistics.median(r["completion_tokens_per_s"] for r in runs["after"])
+                     / statistics.median(r["completion_tokens_per_s"] for r in runs["trl"]))
+            print(f"  after vs TRL: completion tokens/s x{ratio:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
