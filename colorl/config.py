@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from colorl.buffer import BUFFERS
+
 ENGINES = ("native", "hf", "sglang")
 TASKS = ("arithmetic", "countdown", "jsonl", "hf_dataset")
 MODES = ("colocated", "bounded_lag")
@@ -119,7 +121,7 @@ class RedundancyConfig(Section):
 
 class StalenessConfig(Section):
     max: int = Field(1, ge=0)  # η: no group is trained staler than this (staleflow, queue_max)
-    buffer: Literal["staleflow", "queue_drop", "queue_max"] = "staleflow"
+    buffer: Literal[tuple(BUFFERS)] = "staleflow"  # the names colorl.buffer registers
     queue_factor: float = Field(1.0, ge=1)
     # in-flight samples when new weights arrive: continue on their KV, or re-prefill under the new weights
     partial_rollout: Literal["keep", "recompute"] = "keep"
