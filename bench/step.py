@@ -108,8 +108,9 @@ def read_bandwidth(seconds: float = 1.0) -> float:
 
 class RolloutProfile:
     """Times the native engine's model calls and sampler inside the real rollout, and the floor its
-    decode steps imply: (weights + KV of the batch) / read bandwidth per decode step (bench/engine.py's
-    floor), 2 x params x tokens / matmul rate per prefill token."""
+    steps imply: (weights + KV of the batch) / read bandwidth per decode step (bench/engine.py's
+    floor) and 2 x params x tokens / matmul rate per prefill token. The physical floor also lets a
+    decode step be compute-bound: max(that read time, 2 x params x rows / matmul rate)."""
 
     def __init__(self, engine, bandwidth: float, rate: float) -> None:
         from colorl.engines.native.model_runner import kv_bytes_per_block
@@ -118,7 +119,7 @@ class RolloutProfile:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
         self.params = sum(t.numel() for t in engine.model.state_dict().values())
         self.kv_per_token = kv_bytes_per_block(engine.spec, 1, engine.dtype)
-        self.model_s = self.sample_s = self.floor_s = 0.0
+        self.model_s = self.sample_s = self.floor_s = self.physical_s = 0.0
         self.decode_steps = self.decode_rows = self.prefill_tokens = 0
         run, sample = engine.runner.run, engine.sampler
 
@@ -132,9 +133,12 @@ class RolloutProfile:
                 self.decode_steps += 1
                 self.decode_rows += len(decodes)
                 context = sum(batch.starts[i] + 1 for i in decodes)
-                self.floor_s += (self.weight_bytes + context * self.kv_per_token) / self.bandwidth
+                memory = (self.weight_bytes + context * self.kv_per_token) / self.bandwidth
+                self.floor_s += memory
+                self.physical_s += max(memory, 2 * self.params * len(decodes) / self.rate)
             self.prefill_tokens += prefill
             self.floor_s += 2 * self.params * prefill / self.rate
+            self.physical_s += 2 * self.params * prefill / self.rate
             return out
 
         def timed_sample(logits, rows):
@@ -147,9 +151,10 @@ class RolloutProfile:
 
     def take(self) -> dict:
         row = {"rollout_model_s": self.model_s, "rollout_sample_s": self.sample_s, "rollout_floor_s": self.floor_s,
+               "rollout_physical_floor_s": self.physical_s,
                "decode_steps": self.decode_steps, "decode_batch_mean": self.decode_rows / max(self.decode_steps, 1),
                "prefill_tokens": self.prefill_tokens}
-        self.model_s = self.sample_s = self.floor_s = 0.0
+        self.model_s = self.sample_s = self.floor_s = self.physical_s = 0.0
         self.decode_steps = self.decode_rows = self.prefill_tokens = 0
         return row
 
@@ -350,6 +355,7 @@ def summarise(run: dict) -> dict:
         row["setup_peak_mb"] = run["setup_peak_mb"]
         row["read_gb_s"] = run["read_gb_s"]
         row["rollout_over_floor"] = row["rollout_s"] / row["rollout_floor_s"]
+        row["rollout_over_physical_floor"] = row["rollout_s"] / row["rollout_physical_floor_s"]
     row["completion_tokens_per_s"] = row["completion_tokens"] / row["step_s"]
     return row
 
@@ -421,7 +427,9 @@ def print_table(results: dict) -> None:
     columns = [("step_s", "step s", ".1f"), ("rollout_s", "rollout s", ".1f"), ("train_s", "train s", ".1f"),
                ("sync_s", "sync s", ".2f"), ("completion_tokens_per_s", "compl tok/s", ".1f"),
                ("train_tokens_per_s", "train tok/s", ".0f"), ("flop_utilisation", "FLOP util", ".1%"),
-               ("rollout_over_floor", "roll/floor", ".2f"), ("rollout_peak_mb", "rollout MB", ".0f"), ("train_peak_mb", "train MB", ".0f"),
+               ("rollout_over_floor", "roll/floor", ".2f"),
+               ("rollout_over_physical_floor", "roll/phys", ".2f"), ("rollout_peak_mb", "rollout MB", ".0f"),
+               ("train_peak_mb", "train MB", ".0f"),
                ("step_peak_mb", "peak MB", ".0f")]
     for workload, runs in results.items():
         print(f"\n{workload}")

@@ -86,7 +86,7 @@ class TrainConfig(Section):
     # micro-batches are cut by tokens (sequences packed, no padding), longest sequences first
     max_tokens_per_micro_batch: int = Field(2048, ge=1)
     # rows of the [tokens, vocab] logits the LM head computes at a time (bounds that temporary)
-    logits_chunk_tokens: int = Field(1024, ge=1)
+    logits_chunk_tokens: int = Field(512, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     # this many steps in a row with a non-finite loss or gradient norm stop the run (checkpoint of the
     # last good step); fewer are skipped (no optimizer step) and counted in optimizer_steps_skipped

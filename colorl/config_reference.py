@@ -72,7 +72,9 @@ NOTES: dict[str, str] = {
     "rollout.length_override.cap": "Longest sample.",
     "train.lr": "AdamW learning rate.",
     "train.weight_decay": "AdamW weight decay.",
-    "train.micro_batch": "Sequences per forward/backward; gradients accumulate over the batch.",
+    "train.max_tokens_per_micro_batch": "Token budget of one forward/backward: sequences are packed (no "
+                                        "padding), longest first; gradients accumulate over the batch.",
+    "train.logits_chunk_tokens": "Trained positions whose [tokens, vocab] logits are computed at a time.",
     "train.grad_clip": "Clip the global gradient norm to this value.",
     "train.offload_optimizer": "Keep the optimizer state in host memory between steps (GPU memory saver).",
     "train.mixed_precision": "Compute dtype of forward/backward (FSDP2 mixed precision); weights, "
@@ -102,6 +104,12 @@ NOTES: dict[str, str] = {
     "launch.nproc": "Ranks (processes) to launch; one per device. `--nproc` sets it.",
     "launch.device": "`auto` (CUDA if present), `cpu` or `cuda`. `--device` sets it.",
     "launch.collective_timeout_s": "A rank stuck in a collective longer than this ends the run.",
+    "launch.rollout_threads": "Bounded-lag on CPU: intra-op threads of the rollout loop; null: half the rank's cores.",
+    "launch.train_threads": "Bounded-lag on CPU: intra-op threads of the train loop; null: the rest of the rank's cores.",
+    "staleness.redundancy": "Redundant rollout (off: null): over-sample, abort the slowest; shifts lengths short.",
+    "staleness.redundancy.level": "`group`: ⌈S·ratio⌉ extra samples per group; `batch`: ⌈(G/world)·ratio⌉ extra "
+                                  "groups per version buffer (staleflow only).",
+    "staleness.redundancy.ratio": "Extra work as a fraction of S (group) or of G/world (batch).",
 }
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import yaml
@@ -34,7 +35,9 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
     model = load_model(model_dir)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
-    load_model_weights(checkpoint_dir(run_dir, step), model)
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_weights(checkpoint_dir(run_dir, step), model)
     if cfg.model.lora is not None:
         model = model.merge_and_unload()
     tmp = out.with_name(f".{out.name}.partial")

@@ -239,8 +239,9 @@ def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spot.local_world)))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = rank_threads(spot.local_world)  # torchrun itself sets OMP_NUM_THREADS=1 unless the user did
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(spot.local_rank)
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"

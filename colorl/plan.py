@@ -19,10 +19,12 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
 - the engine: full weights (tensor-parallel size 1) and the KV pool. Both SGLang
   (`mem_fraction_static`) and the native engine size their pool so that everything resident on
   the device when the engine starts (trainer weights, engine weights) plus the KV pool is
-  `engine.memory_fraction` of the device: KV = fraction·M − trainer weights − engine weights;
+  `engine.memory_fraction` of the device: KV = fraction·M − trainer weights − engine weights
+  (the native engine: never more than its sequences can fill, or `engine.num_blocks` when set);
 - with LoRA the checkpoint engine's copies of the adapted base weights (W0), and two sync
   buckets of `sync.bucket_mb` while weights travel;
-- a reserve for the CUDA context, NCCL and allocator slack (and SGLang's scheduler process).
+- on CUDA a reserve for the context, NCCL and allocator slack (and SGLang's scheduler process).
+On CPU the "device" is this host's available memory shared by the ranks.
 
 Phases (colocated mode; bounded-lag keeps the engine awake while training):
     rollout  weights + optimizer (unless offloaded) + engine static pool
@@ -67,6 +69,7 @@ class Architecture:
     intermediate: int
     kv_dim: int  # num_key_value_heads · head_dim
     vocab: int
+    max_positions: int
 
     @classmethod
     def from_hf_config(cls, hf_config, lora_targets: list[str] | None = None, lora_r: int = 0) -> "Architecture":
@@ -88,6 +91,7 @@ class Architecture:
             lora_params=lora, adapted_params=adapted, layers=hf_config.num_hidden_layers,
             hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
             kv_dim=kv_heads * head_dim, vocab=hf_config.vocab_size,
+            max_positions=hf_config.max_position_embeddings,
         )
 
     def activation_bytes_per_token(self, b: int) -> int:
@@ -166,6 +170,10 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) -> MemoryPlan:
     """The arithmetic of the module docstring for one config; no advice (see `plan_with_advice`)."""
     world = cfg.launch.nproc
@@ -186,14 +194,18 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     else:
         kv = int(cfg.engine.memory_fraction * device_bytes) - weights - reference - engine_weights
         kv_note = f"engine.memory_fraction={cfg.engine.memory_fraction} of the device, less the weights"
+    if cfg.rollout.engine == "native":  # the native engine never allocates more than its sequences can use
+        cap = per_rank_concurrency * arch.max_positions * arch.kv_bytes_per_token(w)
+        kv = min(kv, cap) if kv > 0 else kv
     kv_tokens = kv // arch.kv_bytes_per_token(w)
-    reserve = RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
+    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
+    reserve = 0 if on_cpu else RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
     offload = cfg.train.offload_optimizer
     micro_tokens = max(cfg.train.max_tokens_per_micro_batch, seq)  # a micro-batch packs whole sequences
     lines = [
-        Line("trainer weights", weights, f"{trainer_params / 1e9:.2f}B params x {w} B / {world} ranks"),
+        Line("trainer weights", weights, f"{_count(trainer_params)} params x {w} B / {world} ranks"),
         Line("reference model", reference, "loss.kl_coef > 0" if reference else ""),
-        Line("gradients", -(-trainable * a // world), f"{trainable / 1e9:.3f}B trainable x {a} B / {world} ranks"),
+        Line("gradients", -(-trainable * a // world), f"{_count(trainable)} trainable x {a} B / {world} ranks"),
         Line("optimizer state", -(-2 * trainable * a // world),
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
         Line("activations", micro_tokens * arch.activation_bytes_per_token(b),
@@ -283,7 +295,7 @@ def device_memory(cfg, requested: str | None) -> tuple[int, str]:
     """Bytes per device, and where the figure comes from."""
     if requested is not None:
         return parse_size(requested), "--gpu-memory"
-    if cfg.launch.device == "cpu":
+    if cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available()):
         from colorl.engines.native.model_runner import _host_available_bytes
 
         return _host_available_bytes() // cfg.launch.nproc, "available host memory / launch.nproc"

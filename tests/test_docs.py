@@ -31,9 +31,11 @@ def test_every_config_key_is_in_the_reference():
 
 
 def _colorl_commands(text: str) -> list[str]:
-    """Lines in shell code blocks that run colorl, joined across backslash continuations."""
+    """Lines in code blocks (fenced, or indented by four spaces) that run colorl, joined across
+    backslash continuations."""
     commands = []
-    for block in FENCE.findall(text):
+    indented = "\n".join(line[4:] for line in text.splitlines() if line.startswith("    ") and "colorl " in line)
+    for block in FENCE.findall(text) + [indented]:
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #", 1)[0].strip().lstrip("$ ")
             match = re.search(r"(?:^|\s|/)colorl (\w.*)$", line)

@@ -1,6 +1,7 @@
 """What a user sees around a real (tiny) run: the summary, `colorl plot`, and what `--resume` accepts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capsys):
     assert "held-out accuracy (greedy, 4 prompts never trained on): " in out and "before → " in out
     assert "wall time " in out
     assert f"colorl export {run} {run}/hf" in out and f"colorl plot {run}" in out
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "run-directory.md").read_text()
+    keys = {key for line in (run / "metrics.jsonl").read_text().splitlines() for key in json.loads(line)}
+    assert sorted(k for k in keys if f"`{k}`" not in documented) == []  # every metrics key is explained
 
     assert main(["plot", str(run), "--out", str(tmp_path / "png")]) == 0
     written = sorted(p.name for p in (tmp_path / "png").iterdir())
@@ -67,5 +71,5 @@ def test_config_changes_split_refused_and_warned():
     old = {"run": {"seed": 0, "steps": 2}, "model": {"path": "a", "lora": None}, "train": {"lr": 1.0}}
     new = {"run": {"seed": 0, "steps": 4}, "model": {"path": "b", "lora": {"r": 8}}, "train": {"lr": 1.0}}
     refused, warned = config_changes(old, new)
-    assert [c.key for c in refused] == ["model.lora", "model.path"]
+    assert [str(c) for c in refused] == ["model.lora.r: None -> 8", "model.path: 'a' -> 'b'"]
     assert [c.key for c in warned] == ["run.steps"]

@@ -1,7 +1,8 @@
 """Multi-node through torchrun, on CPU: each process runs its own rank, no spawning.
 
 - `torchrun --standalone --nproc-per-node 2 -m colorl train configs/tiny.yaml`: the CLI's
-  torchrun path; both ranks on one node gather weights through /dev/shm.
+  torchrun path; both ranks on one node gather weights through /dev/shm; an existing run
+  directory is refused in one line; `--resume` continues the run.
 - two torchrun "nodes" on 127.0.0.1 (c10d rendezvous, one process each): the checkpoint engine
   must take the process-group path between nodes, and after three steps every rank's engine
   holds the trainer's full weights bit for bit.
@@ -27,16 +28,28 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_standalone_torchrun_runs_the_ranks_in_place(tmp_path):
-    run_dir = tmp_path / "run"
-    done = subprocess.run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "colorl", "train",
-                                      "configs/tiny.yaml", "--run-dir", str(run_dir)],
+def _standalone(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "colorl", "train",
+                                      "configs/tiny.yaml", "--run-dir", str(run_dir), *args],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_standalone_torchrun_runs_the_ranks_in_place_refuses_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    done = _standalone(run_dir, "--set", "run.steps=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"run finished: {run_dir}" in done.stdout
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     starts = [line for line in (run_dir / "events.log").read_text().splitlines() if " start " in line]
     assert len(starts) == 2 and all("world=2" in line and "sync=shared_memory" in line for line in starts)
+
+    again = _standalone(run_dir)  # rank 0's check stops both ranks, with colorl's one line
+    assert again.returncode != 0
+    assert [line for line in again.stderr.splitlines() if line.startswith("colorl: error:")] == [
+        f"colorl: error: run directory {run_dir} already holds a run; pass --resume or choose another run.name"]
+
+    resumed = _standalone(run_dir, "--resume", "--set", "run.steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "step_3").is_dir()
 
 

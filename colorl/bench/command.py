@@ -122,7 +122,7 @@ def _run_one(config: str, common: list[str], variant: Variant, out: Path, warmup
     except KeyboardInterrupt:  # the child has been stopped and has saved; report what it measured
         outcome, status = Outcome(None, "interrupted by the user", 0.0), "interrupted"
     records = read_metrics(run_dir)
-    workload = figures.Workload(cfg.mode, cfg.rollouts_per_step, cfg.rollout.batch_groups)
+    workload = figures.Workload(cfg.mode, cfg.rollouts_per_step, cfg.rollout.batch_groups, cfg.filter.zero_variance)
     summary = figures.summarize(records, workload, warmup)
     if summary["rho"] and summary["m_tail"]:  # the closed form at the run's median ρ and M_tail
         summary["staleness_formula"] = predicted_staleness_for(cfg, summary["rho"], summary["m_tail"])

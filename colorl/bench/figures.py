@@ -9,9 +9,9 @@ Definitions (stated again in bench.md's header):
   warm-up; staleness max, histogram and group counts: over every step (the bound holds on all).
 - final reward: mean `reward_mean` of the last `FINAL_STEPS` steps (one step's 32 samples are noisy).
 
-Keys the colocated mode does not write (`trained_tokens`, `trainer_wait_s`, ...) are absent.
-Where colocated phases are sequential the figure follows from the phase times and its source
-says "derived"; anything else that is absent stays None.
+A key a run did not write (an older run, or a mode without it) makes its figure None; token
+counts then fall back to mean length × B. Colocated trainer-wait and engine-idle fractions
+follow from its sequential phase times (source "derived").
 
 Pure Python: no torch.
 """
@@ -32,6 +32,7 @@ class Workload:
     mode: str
     rollouts_per_step: int  # B = G·S over all ranks
     batch_groups: int  # G
+    filter_zero_variance: bool = False  # colocated then trains only the groups with a reward signal
 
 
 def _number(value) -> float | None:
@@ -66,12 +67,19 @@ def _total(records: list[dict], key: str) -> int | None:
 
 
 def _tokens(record: dict, key: str, workload: Workload) -> float | None:
-    """Response tokens of a step: the mode's own count, else mean length × B (colocated trains all B)."""
+    """Response tokens of a step: the mode's own count, else mean length × B (colocated generates
+    all B and trains all B, or the fraction of groups with a signal when it filters the rest —
+    an estimate that assumes equal lengths across groups)."""
     value = _number(record.get(key))
     if value is not None:
         return value
     mean_len = _number(record.get("response_len_mean"))
-    return None if mean_len is None else mean_len * workload.rollouts_per_step
+    if mean_len is None:
+        return None
+    kept = 1.0
+    if key == "trained_tokens" and workload.filter_zero_variance:
+        kept = _number(record.get("groups_mixed_frac"))
+    return mean_len * workload.rollouts_per_step * (1.0 if kept is None else kept)
 
 
 def _per_step_second(records: list[dict], key: str, workload: Workload) -> float | None:
@@ -84,17 +92,19 @@ def _per_step_second(records: list[dict], key: str, workload: Workload) -> float
 
 
 def _idle_fractions(records: list[dict], workload: Workload) -> tuple[float | None, float | None, str]:
-    """(trainer wait, engine idle) as fractions of step time, and where they come from."""
+    """(trainer wait, engine idle) as fractions of step time, and where they come from.
+
+    Colocated mode logs 0 for both (it has no rollout window), yet its phases are sequential:
+    the trainer waits through the rollout and the engine sleeps through training and sync, so
+    the fractions follow from the phase times."""
     step_s = sum(_values(records, "time_step_s"))
-    wait = _values(records, "trainer_wait_s")
-    idle = _mean(records, "engine_idle_frac")
-    if wait or idle is not None:
-        return (sum(wait) / step_s if wait and step_s else None), idle, "measured"
-    if workload.mode == "colocated" and step_s:
-        # sequential phases: the trainer waits through the rollout, the engine sleeps through the rest
+    if workload.mode == "colocated":
         rollout = sum(_values(records, "time_rollout_s"))
+        if not step_s:
+            return None, None, "absent"
         return rollout / step_s, 1.0 - rollout / step_s, "derived from phase times (sequential)"
-    return None, None, "absent"
+    wait = _values(records, "trainer_wait_s")
+    return (sum(wait) / step_s if wait and step_s else None), _mean(records, "engine_idle_frac"), "measured"
 
 
 def staleness_histogram(records: list[dict], workload: Workload) -> dict[str, int]:

@@ -106,8 +106,8 @@ class StaleFlowBuffers:
             expect(slot, RESERVED)
         hole = self._delete(slot, self.buffers[slot.vbuf].reserved)
         for vbuf in range(self.next_buf, hole + 1):
-            buf = self.buffers.get(vbuf)
-            if buf is not None and buf.free:
+            buf = self._buffer(vbuf)  # a buffer nobody reserved in yet is all free
+            if buf.free:
                 buf.free -= 1
                 buf.occupied.append(slot)
                 slot.vbuf = vbuf

@@ -102,9 +102,9 @@ class SGLangEngine(Engine):
                              "before temperature scaling, not those of the distribution it sampled from")
         import sglang
         from sglang.srt.managers import io_struct
+        from transformers import AutoConfig
 
         from colorl.models import meta_model
-        from transformers import AutoConfig
 
         self._io = io_struct
         self._version = 0

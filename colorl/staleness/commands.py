@@ -20,7 +20,7 @@ from typing import Any
 
 from colorl.staleness import formula
 from colorl.staleness.formula import LengthModel, Workload
-from colorl.staleness.live import predicted_staleness
+from colorl.staleness.live import predicted_split, predicted_staleness
 from colorl.staleness.simulator import SimConfig, simulate
 
 SENSITIVITY_RHOS = (0.5, 0.8, 0.9, 1.1, 1.5, 2.0)  # not 1: IQS jumps from 1 to q there
@@ -170,13 +170,15 @@ def predict_report(setup: Setup, rho: float, m_tail: float, *, mean_len: float |
     """Everything `colorl predict` shows, as one JSON-able dict."""
     w = setup.workload
     pred = formula.predict(w, rho, m_tail, v_rollout=v_rollout, mean_len=mean_len)
-    async_value = predicted_staleness(w.concurrency, w.batch_rollouts, w.queue_factor, rho,
-                                      m_tail, "bounded_lag", setup.buffer, setup.eta)
+    split = predicted_split(w.concurrency, w.batch_rollouts, w.queue_factor, rho, m_tail,
+                            "bounded_lag", setup.buffer, setup.eta)
     v_train = v_rollout / rho if v_rollout else None
     report: dict[str, Any] = {
-        "pqs": pred.pqs, "iqs": pred.iqs, "staleness": async_value, "t_period": pred.t_period,
-        "rho": rho, "m_tail": m_tail, "regime": pred.regime, "mode": setup.mode,
-        "buffer": setup.buffer, "eta": setup.eta, "staleness_queue_drop": pred.staleness,
+        "pqs": split.pqs, "iqs": split.iqs, "staleness": split.staleness,
+        "t_period": pred.t_period, "rho": rho, "m_tail": m_tail, "regime": pred.regime,
+        "mode": setup.mode, "buffer": setup.buffer, "eta": setup.eta,
+        "pqs_queue_drop": pred.pqs, "iqs_queue_drop": pred.iqs,
+        "staleness_queue_drop": pred.staleness,
         "concurrency": w.concurrency, "batch_rollouts": w.batch_rollouts,
         "queue_factor": w.queue_factor, "mean_len": mean_len, "v_rollout": v_rollout,
         "v_train": v_train,
@@ -223,6 +225,7 @@ def _print_predict(report: dict[str, Any], sources: dict[str, str], setup: Setup
     table.add_column("value", justify="right")
     table.add_column("from / meaning")
     colocated = setup.mode == "colocated"
+    async_part = report.get("bounded_lag", report)
     table.add_row("ρ = v_R / v_T", _fmt(report["rho"]), sources["rho"])
     table.add_row("M_tail", _fmt(report["m_tail"], ".3f"), sources["m_tail"])
     table.add_row("regime", report["regime"], "ρ < 1 rollout-bound, ρ >= 1 train-bound")
@@ -230,12 +233,15 @@ def _print_predict(report: dict[str, Any], sources: dict[str, str], setup: Setup
         table.add_row("staleness (colocated)", "0.00", "on-policy: every sample is trained by the "
                       "version that generated it")
     else:
-        table.add_row("PQS", _fmt(report["pqs"]), "C·M_tail / (B·max(1, ρ))")
-        table.add_row("IQS", _fmt(report["iqs"]), "ρ, or (2q + ρ − 1)/(2ρ) when train-bound")
+        table.add_row("PQS (queue-drop)", _fmt(report["pqs_queue_drop"]), "C·M_tail / (B·max(1, ρ))")
+        table.add_row("IQS (queue-drop)", _fmt(report["iqs_queue_drop"]),
+                      "ρ, or (2q + ρ − 1)/(2ρ) when train-bound")
         table.add_row("staleness (queue-drop)", _fmt(report["staleness_queue_drop"]), "PQS + IQS")
-    if setup.buffer != "queue_drop" and not colocated:
-        table.add_row(f"staleness ({setup.buffer}, η={setup.eta})",
-                      _fmt(report["staleness"]), "η-bounded buffer")
+        if setup.buffer != "queue_drop":
+            table.add_row(f"staleness ({setup.buffer}, η={setup.eta})",
+                          f"{_fmt(async_part['pqs'])} + {_fmt(async_part['iqs'])} = "
+                          f"{_fmt(async_part['staleness'])}",
+                          "PQS + IQS, η-bounded (split scaled from queue-drop)")
     period = report["t_period"]
     table.add_row("t_period (s)", _fmt(period),
                   sources["t_period"] if period is None else
@@ -392,25 +398,23 @@ def simulate_point(setup: Setup, point: SimPoint, steps: int, seed: int) -> dict
     mean_len = point.lengths.expected_length()
     pred = formula.predict(w, point.rho, m_tail, v_rollout=float(w.concurrency),
                            mean_len=mean_len)
+    split = predicted_split(w.concurrency, w.batch_rollouts, w.queue_factor, point.rho, m_tail,
+                            setup.mode, buffer, point.eta)
     if setup.mode == "colocated":
         # v_R = C·1 token per time unit; sync runs rollout and train back to back.
         period = w.batch_rollouts * mean_len * (1 + point.rho) / w.concurrency
-        staleness_formula = 0.0
-        pred = replace(pred, pqs=0.0, iqs=0.0, staleness=0.0)
     else:
         period = pred.t_period
-        staleness_formula = predicted_staleness(w.concurrency, w.batch_rollouts, w.queue_factor,
-                                                point.rho, m_tail, setup.mode, buffer,
-                                                point.eta)
     return {
+        "staleness": result.staleness_mean,
         "staleness_mean": result.staleness_mean, "staleness_max": result.staleness_max,
         "pqs": result.pqs, "iqs": result.iqs, "t_period": result.t_period,
         "groups_dropped": result.groups_dropped, "sampled_len_mean": result.sampled_len_mean,
         "trained_len_mean": result.trained_len_mean, "rho": point.rho,
         "sampled_len_max": result.sampled_len_max, "trained_len_max": result.trained_len_max,
         "rollout_utilization": result.rollout_utilization,
-        "formula_staleness": staleness_formula, "formula_pqs": pred.pqs,
-        "formula_iqs": pred.iqs, "formula_t_period": period, "m_tail": m_tail,
+        "formula_staleness": split.staleness, "formula_pqs": split.pqs,
+        "formula_iqs": split.iqs, "formula_t_period": period, "m_tail": m_tail,
         "concurrency": w.concurrency, "batch_groups": w.batch_groups,
         "group_size": w.group_size, "queue_factor": w.queue_factor, "eta": point.eta,
         "tailness": point.lengths.tailness, "mean_len": point.lengths.mean,

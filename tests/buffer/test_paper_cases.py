@@ -37,6 +37,14 @@ def test_reserve_scans_backward_and_occupy_forward():
     assert buf.next_buf == 1 and layout(buf) == {1: (["c", "d"], [])}
 
 
+def test_occupy_takes_the_earliest_free_entry_even_in_an_untouched_buffer():
+    buf = StaleFlowBuffers(1, eta=1)
+    a = Slot(0, payload="a")
+    assert buf.admit(a) and a.vbuf == 1  # worst case: the latest buffer
+    buf.complete(a)
+    assert a.vbuf == 0 and buf.ready(0)  # greedy: trained at once, staleness 0
+
+
 def test_entry_movement_cascades():
     """Fig. 7 right, η = 2, one entry per buffer: A is deleted from buffer 3; the earliest
     reservation that may live there (B, V_B + η >= 3) moves in, then C (V_C = 0, allowed in

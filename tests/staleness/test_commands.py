@@ -142,6 +142,39 @@ def test_simulate_json(config, capsys):
     assert abs(out["staleness_mean"] - out["formula_staleness"]) < 0.25
 
 
+BOUNDED_LAG = """\
+run: {name: t, steps: 3}
+model: {path: /nowhere/model}
+mode: bounded_lag
+rollout: {group_size: 4, batch_groups: 8, concurrency: 64, max_new_tokens: 512,
+          length_override: {mean: 100, tailness: 50, cap: 512}}
+staleness: {max: 2, buffer: BUFFER}
+"""
+
+
+@pytest.mark.parametrize("buffer", ["staleflow", "queue_max", "queue_drop"])
+def test_bounded_lag_config_predicts_its_own_buffer(tmp_path, capsys, buffer):
+    """A `mode: bounded_lag` config, no --mode: the top-level pqs, iqs and staleness are
+    the prediction for the configured buffer and η, in predict and in simulate alike."""
+    path = tmp_path / "async.yaml"
+    path.write_text(BOUNDED_LAG.replace("BUFFER", buffer))
+    m_tail = LengthModel(100, 50, 512).m_tail(4)
+    for rho in (0.5, 1.5):
+        out = run_json(capsys, "predict", path, "--rho", rho)
+        assert out["mode"] == "bounded_lag" and out["buffer"] == buffer and out["eta"] == 2
+        assert out["pqs"] + out["iqs"] == pytest.approx(out["staleness"])
+        queue_drop = formula.staleness(64, 32, 1, rho, m_tail)
+        assert out["staleness_queue_drop"] == pytest.approx(queue_drop)
+        assert out["staleness"] == pytest.approx(queue_drop if buffer == "queue_drop" else 2.0)
+    row = run_json(capsys, "simulate", path, "--rho", "1.5", "--steps", "200")
+    assert row["mode"] == "bounded_lag" and row["buffer"] == buffer
+    assert row["staleness"] == row["staleness_mean"] == pytest.approx(row["pqs"] + row["iqs"])
+    assert row["formula_pqs"] + row["formula_iqs"] == pytest.approx(row["formula_staleness"])
+    if buffer != "queue_drop":
+        assert row["staleness_max"] <= 2
+        assert row["staleness"] == pytest.approx(row["formula_staleness"], abs=0.35)
+
+
 def test_simulate_colocated_is_sync(config, capsys):
     out = run_json(capsys, "simulate", config, "--steps", "50")
     assert out["staleness_max"] == 0 and out["formula_staleness"] == 0
