@@ -102,7 +102,7 @@ def drill(fault: str, phase: str, run_dir: Path, reference: Path, mode: str = "c
     if not marks:
         raise RuntimeError(f"the fault never fired ({code}): {err[-2000:]}")
     lines = out.strip().splitlines()[-1:] if code == 0 else [l for l in err.splitlines()
-                                                             if l.strip() and not l.startswith("colorl-fault")]
+                                                             if l.startswith(("colorl: error:", "stopped after"))]
     done = max((r["step"] for r in read_metrics(run_dir)), default=0)
     checkpoint = latest_step(run_dir)
     if (checkpoint or 0) < STEPS:

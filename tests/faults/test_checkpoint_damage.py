@@ -1,6 +1,8 @@
 """Damaged checkpoints are named and refused by --resume, or set aside on request; never loaded."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -12,16 +14,26 @@ from colorl.train.checkpoint import (
 )
 
 
-@pytest.fixture()
-def run_with_checkpoints(tmp_path, tiny_model_dir):
-    """A run directory with real checkpoints of a tiny model at steps 1, 2 and 3 (one process)."""
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, tiny_model_dir):
+    """Real checkpoints of a tiny model at steps 1, 2 and 3 (one process), written once."""
+    run_dir = tmp_path_factory.mktemp("saved")
     model = load_model(tiny_model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in (1, 2, 3):
         model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
         optimizer.step()
-        save_checkpoint(tmp_path, model, optimizer, TrainerState(step=step, version=step, data_position=4 * step))
-    return tmp_path, model, optimizer
+        save_checkpoint(run_dir, model, optimizer, TrainerState(step=step, version=step, data_position=4 * step))
+    return run_dir
+
+
+@pytest.fixture()
+def run_with_checkpoints(tmp_path, saved_run, tiny_model_dir):
+    """A copy of `saved_run` for one test to damage, and a model + optimizer of the same shapes."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    model = load_model(tiny_model_dir)
+    return run_dir, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _file(run_dir, step, pattern):
