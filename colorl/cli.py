@@ -1,4 +1,4 @@
-"""`colorl` command line: train, export, predict, simulate.
+"""`colorl` command line: train, export, plot, predict, simulate, plan, bench.
 
 Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
 """
@@ -7,31 +7,45 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.panel import Panel
 
+from colorl.bench.command import add_bench_parser
+from colorl.plan import add_plan_parser
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # the shell's convention for a run stopped by Ctrl-C (128 + SIGINT)
 
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # library progress bars (GGUF conversion, datasets); colorl says what it does
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"colorl: error: {message}", file=sys.stderr)
+    """One line on stderr whatever the message quotes (user text may hold line breaks or controls)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    print(f"colorl: error: {line}", file=sys.stderr)
     return code
 
 
-def _check_devices(requested: str, nproc: int) -> str:
+def _check_devices(requested: str, nproc: int, engine: str = "native") -> str:
+    """The device the ranks use; `nproc`: ranks on this host. SGLang needs CUDA and its package."""
     import torch
 
+    if engine == "sglang":
+        from colorl.engines.sglang import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise ValueError(reason)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("launch.device=cuda: no CUDA device is available here; use --device cpu")
@@ -41,56 +55,111 @@ def _check_devices(requested: str, nproc: int) -> str:
 
 
 def cmd_train(args) -> int:
+    started = time.perf_counter()
     from colorl.config import ConfigError, dump_config, load_config
+    from colorl.launch import TorchrunRank
+    from colorl.plan import engine_check_note
     from colorl.tasks import TaskOptionError, build_task
 
+    spot = TorchrunRank.from_env()
     overrides = list(args.set or [])
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
+    if spot is not None:  # torchrun decides the world; this process is one of its ranks
+        overrides.append(f"launch.nproc={spot.world}")
     if args.device is not None:
         overrides.append(f"launch.device={args.device}")
     try:
         cfg = load_config(args.config, overrides)
-        build_task(cfg.task, cfg.run.seed)  # task options and dataset files, before any process starts
+        task = build_task(cfg.task, cfg.run.seed)  # task options and dataset files, before any process starts
     except (ConfigError, TaskOptionError, ValueError) as exc:
         return fail(str(exc))
+    for note in getattr(task, "notes", list)():
+        print(f"colorl: warning: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.dir) / cfg.run.name
     if args.dry_run:  # a config for another machine (e.g. 8 GPUs) validates here without its devices
         print(dump_config(cfg), end="")
         print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+        note = engine_check_note(cfg)
+        if note:
+            print(f"# {note}")
         return 0
     try:
-        device = _check_devices(cfg.launch.device, cfg.launch.nproc)
+        device = _check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import latest_step
+    from colorl.train.checkpoint import resume_step
     from colorl.worker import prepare_run_dir, run_rank
 
-    if args.resume and latest_step(run_dir) is None:
-        return fail(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    try:
-        preflight(cfg)
-    except (ConfigError, ValueError) as exc:
-        return fail(str(exc))
-    try:
+    args.resume = args.resume or args.resume_from_last_good
+
+    def prepare() -> None:
+        """Rank 0's checks before any rank starts (under torchrun, in place); ValueError: one line."""
+        preflight(cfg, device)
+        if args.resume:
+            step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
+            for note in notes:
+                print(f"colorl: {note}", file=sys.stderr)
+            check_resume(cfg, run_dir, step, args.force)
         prepare_run_dir(cfg, run_dir, args.resume)
-    except (FileExistsError, OSError) as exc:
+
+    rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
+    if spot is not None:
+        from colorl.launch import run_in_place
+
+        code = run_in_place(spot, run_rank, device, rank_args, cfg.launch.collective_timeout_s, prepare)
+        if code == 0 and spot.rank == 0:
+            return _finished(cfg, run_dir, args.config, time.perf_counter() - started)
+        return code
+    try:
+        prepare()
+    except (ValueError, OSError) as exc:
         return fail(str(exc))
     from colorl.launch import launch
 
-    failure = launch(run_rank, cfg.launch.nproc, device,
-                     (cfg.model_dump(mode="json"), str(run_dir), args.resume, device), cfg.launch.collective_timeout_s)
+    failure = launch(run_rank, cfg.launch.nproc, device, rank_args, cfg.launch.collective_timeout_s)
     if failure is None:
-        done = latest_step(run_dir) or 0
-        if done < cfg.run.steps:
-            print(f"run stopped after step {done} (checkpoint saved): continue with --resume --run-dir {run_dir}")
-        else:
-            print(f"run finished: {run_dir}")
-        return 0
+        return _finished(cfg, run_dir, args.config, time.perf_counter() - started)
     if failure.interrupted:
-        return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", 130)
+        return fail(f"interrupted: {failure.error.splitlines()[0]}; run directory kept: {run_dir}", EXIT_INTERRUPTED)
+    if "\n" not in failure.error.strip():  # a fault the run explained itself: its message is the report
+        return fail(f"run failed on rank {failure.rank}: {failure.error.strip()}; run directory kept: {run_dir}",
+                    EXIT_RUN_FAILED)
     Console(stderr=True).print(Panel(_readable(failure.error), title=f"rank {failure.rank} failed", border_style="red"))
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
+
+
+def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
+    """Refuse (ConfigError, one line) a resume whose changed keys alter the data or the shapes, unless
+    forced; list the other changes; say at once what is being loaded."""
+    from colorl.config import ConfigError
+    from colorl.resume import config_changes, last_config
+    from colorl.train.checkpoint import checkpoint_dir
+
+    previous = last_config(run_dir)
+    refused, warned = config_changes(previous, cfg.model_dump(mode="json")) if previous else ([], [])
+    if refused and not force:
+        raise ConfigError(f"--resume: these changes alter the data or the shapes of {run_dir}: "
+                          f"{'; '.join(map(str, refused))} (pass --force to resume anyway)")
+    for change in (refused if force else []) + warned:
+        print(f"colorl: warning: --resume with a changed key: {change}", file=sys.stderr)
+    print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} "
+          f"(weights, optimizer state, RNG states, data position)", flush=True)
+
+
+def _finished(cfg, run_dir: Path, config: str, wall_s: float) -> int:
+    from colorl.metrics.summary import next_commands, summary_lines
+    from colorl.train.checkpoint import latest_step
+
+    done = latest_step(run_dir) or 0
+    for line in summary_lines(run_dir, wall_s, cfg.run.eval_prompts) + next_commands(run_dir):
+        print(line)
+    if done < cfg.run.steps:  # the ranks stopped at a step boundary on Ctrl-C / SIGTERM and saved
+        print(f"stopped after step {done} of {cfg.run.steps} (checkpoint saved); continue with: "
+              f"colorl train {config} --resume --run-dir {run_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"run finished: {run_dir}")
+    return 0
 
 
 def _readable(error: str, frames: int = 20) -> str:
@@ -102,24 +171,58 @@ def _readable(error: str, frames: int = 20) -> str:
     return "\n".join([head, ""] + lines) if lines else head
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, device: str = "cpu") -> None:
     """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
-    load its tokenizer, apply the chat template, draw a problem."""
+    load its tokenizer, apply the chat template, draw a problem; on CUDA, the memory plan."""
     from colorl.config import ConfigError
-    from colorl.models import ModelNotFound, encode_chat, load_tokenizer, resolve_model_path
+    from colorl.models import (
+        SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, encode_chat, load_tokenizer, resolve_model_path,
+    )
     from colorl.tasks import build_task
 
+    cached = cache_root() / "models" / cfg.model.path
+    building = cfg.model.path in (SMOLLM2_ALIAS, TINY_ALIAS) and not (cached / "config.json").is_file()
+    if building:
+        print(f"preparing {cfg.model.path} once: writing a Hugging Face folder to {cached} ...", flush=True)
+    started = time.perf_counter()
     try:
         model_dir = resolve_model_path(cfg.model.path)
     except ModelNotFound as exc:
         raise ConfigError(str(exc)) from None
+    if building:
+        print(f"prepared {cfg.model.path} in {time.perf_counter() - started:.0f} s (later runs reuse it)", flush=True)
     task = build_task(cfg.task, cfg.run.seed)
-    problem = task.train_problem(0)
+    problems = [task.train_problem(i) for i in range(PROMPTS_CHECKED)] + task.eval_problems(cfg.run.eval_prompts)
+    tokenizer = load_tokenizer(model_dir)
     try:
-        encode_chat(load_tokenizer(model_dir), problem.prompt, cfg.model.system_prompt)
+        longest = max(len(encode_chat(tokenizer, p.prompt, cfg.model.system_prompt)) for p in problems)
     except Exception as exc:  # tokenizer / template errors come in many types
         raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    context = _context_length(model_dir)
+    if context is not None and longest + cfg.rollout.max_new_tokens > context:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with the longest prompt "
+                          f"({longest} tokens) it exceeds the model's context of {context} tokens; "
+                          f"use at most {context - longest}")
+
+    if device == "cuda":
+        import torch
+
+        from colorl.plan import plan_for_run
+
+        plan = plan_for_run(cfg, model_dir, torch.cuda.get_device_properties(0).total_memory)
+        if not plan.fits:
+            print(plan.render(), file=sys.stderr)
+            raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
+
+
+PROMPTS_CHECKED = 256  # training prompts whose length is checked against the context before launch
+
+
+def _context_length(model_dir: Path) -> int | None:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
 
 
 def cmd_export(args) -> int:
@@ -133,8 +236,39 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line like every other bad input."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+
+def cmd_plot(args) -> int:
+    from colorl.plot import PlotError, plot_run
+
+    try:
+        files = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except PlotError as exc:
+        return fail(str(exc))
+    for path in files:
+        print(f"wrote {path}")
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("colorl")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="colorl", description="single-node GRPO trainer")
+    parser = _Parser(prog="colorl", description="single-node GRPO trainer")
+    parser.add_argument("--version", action="version", version=f"colorl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO training from a YAML config")
@@ -144,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"])
     train.add_argument("--run-dir", help="default: run.dir/run.name")
     train.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    train.add_argument("--resume-from-last-good", action="store_true",
+                       help="like --resume, but set damaged newer checkpoints aside and use the newest usable one")
+    train.add_argument("--force", action="store_true",
+                       help="with --resume: accept changed keys that alter the data or shapes (model, task, ...)")
     train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config")
     train.set_defaults(func=cmd_train)
 
@@ -153,8 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, help="default: the latest checkpoint")
     export.set_defaults(func=cmd_export)
 
+    plot = sub.add_parser("plot", help="draw PNG charts of a run from its metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
+
     add_predict_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -164,12 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
+    except SystemExit as exc:  # argparse printed its one-line usage error, or --help
         return int(exc.code or 0) and EXIT_BAD_INPUT
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return fail("interrupted", 130)
+        return fail("interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0

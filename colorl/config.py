@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENGINES = ("native", "hf", "sglang")
-TASKS = ("arithmetic", "countdown", "jsonl")
+TASKS = ("arithmetic", "countdown", "jsonl", "hf_dataset")
 MODES = ("colocated", "bounded_lag")
 
 
@@ -29,7 +30,7 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = "run"
     dir: str = "runs"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # torch and the samplers take 32-bit seeds without overflow
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=0)  # 0: only at the end
     keep_checkpoints: int = Field(0, ge=0)  # newest N kept after each save; 0: keep all
@@ -53,7 +54,7 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    name: Literal["arithmetic", "countdown", "jsonl", "hf_dataset"] = "arithmetic"
     path: Optional[str] = None  # jsonl: file with {"prompt", "answer"} lines
     eval_path: Optional[str] = None
     reward: Optional[str] = None  # "module:function"
@@ -87,6 +88,9 @@ class TrainConfig(Section):
     # rows of the [tokens, vocab] logits the LM head computes at a time (bounds that temporary)
     logits_chunk_tokens: int = Field(512, ge=1)
     grad_clip: float = Field(1.0, gt=0)
+    # this many steps in a row with a non-finite loss or gradient norm stop the run (checkpoint of the
+    # last good step); fewer are skipped (no optimizer step) and counted in optimizer_steps_skipped
+    max_nonfinite_in_a_row: int = Field(3, ge=1)
     offload_optimizer: bool = False
     # compute dtype of forward/backward (FSDP2 mixed precision); weights, optimizer state and
     # gradient reduction stay in model.dtype. null: compute in model.dtype
@@ -106,11 +110,20 @@ class FilterConfig(Section):
     zero_variance: bool = False
 
 
+class RedundancyConfig(Section):
+    """Redundant rollout: over-sample, abort the slowest once a buffer (batch) or a group is full."""
+
+    level: Literal["batch", "group"] = "group"
+    ratio: float = Field(0.25, gt=0, le=4)  # extra groups per buffer (batch) or samples per group (group)
+
+
 class StalenessConfig(Section):
-    max: int = Field(1, ge=0)
+    max: int = Field(1, ge=0)  # η: no group is trained staler than this (staleflow, queue_max)
     buffer: Literal["staleflow", "queue_drop", "queue_max"] = "staleflow"
     queue_factor: float = Field(1.0, ge=1)
+    # in-flight samples when new weights arrive: continue on their KV, or re-prefill under the new weights
     partial_rollout: Literal["keep", "recompute"] = "keep"
+    redundancy: Optional[RedundancyConfig] = None  # off by default: it shifts the length distribution
 
 
 class SyncConfig(Section):
@@ -130,6 +143,9 @@ class LaunchConfig(Section):
     nproc: int = Field(1, ge=1, le=64)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: float = Field(600, gt=0)  # a rank stuck longer than this ends the run
+    # bounded-lag mode: intra-op threads of each loop on a rank (null: split the rank's cores)
+    rollout_threads: Optional[int] = Field(None, ge=1)
+    train_threads: Optional[int] = Field(None, ge=1)
 
 
 class Config(Section):
@@ -153,12 +169,14 @@ class Config(Section):
             raise ValueError(
                 f"rollout.batch_groups={self.rollout.batch_groups} must be divisible by launch.nproc={nproc}"
             )
-        if self.task.name == "jsonl" and not self.task.path:
-            raise ValueError("task.path is required when task.name=jsonl")
+        if self.task.name in ("jsonl", "hf_dataset") and not self.task.path:
+            raise ValueError(f"task.path is required when task.name={self.task.name}")
+        redundancy = self.staleness.redundancy
+        if redundancy is not None and redundancy.level == "batch" and self.staleness.buffer != "staleflow":
+            raise ValueError("staleness.redundancy.level=batch needs staleness.buffer=staleflow "
+                             "(the queues already over-draw: they drop or discard groups)")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
-        if self.rollout.engine == "sglang":
-            raise ValueError("rollout.engine=sglang: the SGLang adapter is not in this version; use native or hf")
         return self
 
     @property
@@ -174,23 +192,66 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, che
     """Read YAML, apply `key=value` overrides, validate; raise ConfigError with one line on any problem."""
     raw: dict[str, Any] = {}
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file not found: {file}")
-        try:
-            raw = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{file}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{file}: top level must be a mapping of sections, got {type(raw).__name__}")
+        raw = read_config_file(Path(path))
     for item in overrides or []:
         apply_override(raw, item)
     config = validate(raw)
+    if path is not None and not _names_model(raw):  # the default model would train silently
+        raise ConfigError(f"{path}: names no model: set model.path (a local Hugging Face folder, "
+                          f"a hub id, or an alias such as smollm2-135m-instruct)")
     if check_paths:
         check_external(config)
     return config
+
+
+def read_config_file(file: Path) -> dict[str, Any]:
+    """The YAML mapping of a config file; one-line ConfigError for anything else."""
+    if not _is_file(file):
+        raise ConfigError(f"config file not found: {file}")
+    text = read_text(file, ConfigError)
+    raw = _parse_yaml(text, f"{file}:", ConfigError)
+    if raw is None:
+        raise ConfigError(f"{file}: empty config file (it needs at least model.path)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def read_text(file: Path, error: type[Exception]) -> str:
+    """A user file as UTF-8 text; `error` with one line naming the file if it is unreadable or not UTF-8."""
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise error(f"{file}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise error(f"{file}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+
+
+def _parse_yaml(text: str, where: str, error: type[Exception]) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        raise error(f"{where}{line} is not valid YAML ({problem})") from None
+    except RecursionError:
+        raise error(f"{where} is nested too deeply to be a config") from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. a name too long for the file system: not a file we can use
+        return False
+
+
+def _names_model(raw: dict[str, Any]) -> bool:
+    model = raw.get("model")
+    return isinstance(model, dict) and bool(model.get("path"))
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -198,11 +259,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value")
     key, text = item.split("=", 1)
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML") from None
+    value = _parse_yaml(text, f"--set {key}: value {text!r}", ConfigError)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: expected a dotted key such as run.steps=3")
     node = raw
     for part in parts[:-1]:
         child = node.get(part)
@@ -231,8 +291,20 @@ def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
     if kind == "value_error" and not loc:
         return str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
+    if key == "rollout.engine" and kind == "literal_error":
+        return f"{key}={value!r}: engines this machine can run: {', '.join(map(repr, runnable_engines()))}"
     allowed = _allowed(error)
     return f"{key}={value!r}: {allowed}"
+
+
+def runnable_engines() -> list[str]:
+    """Engines worth offering here: sglang only with CUDA and the sglang package installed."""
+    import torch
+
+    names = ["native", "hf"]
+    if torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None:
+        names.append("sglang")
+    return names
 
 
 def _allowed(error: dict) -> str:
@@ -267,17 +339,33 @@ def check_external(config: Config) -> None:
 
     try:
         check_model_path(config.model.path)
+        folder = Path(config.model.path).expanduser()
+        local = (folder / "config.json").is_file()
     except ModelNotFound as exc:
         raise ConfigError(str(exc)) from None
-    folder = Path(config.model.path).expanduser()
-    if (folder / "config.json").is_file():
+    except (OSError, RuntimeError) as exc:  # a name too long for the file system, `~user` of no such user
+        raise ConfigError(f"model.path={config.model.path!r}: not a usable path "
+                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    if local:
         check_model_folder(folder, config.rollout.engine)
     for key in ("path", "eval_path"):
         value = getattr(config.task, key)
-        if value and not Path(value).is_file():
+        if value and config.task.name == "jsonl" and not _is_file(Path(value)):
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)
+    check_engine_modes(config)
+
+
+def check_engine_modes(config: Config) -> None:
+    """What the chosen engine can do: bounded-lag's `partial_rollout: keep` needs KV kept across updates."""
+    if config.mode != "bounded_lag" or config.staleness.partial_rollout != "keep":
+        return
+    from colorl.engines import engine_class
+
+    if not engine_class(config.rollout.engine).keeps_kv_across_updates:
+        raise ConfigError(f"staleness.partial_rollout=keep: rollout.engine={config.rollout.engine} cannot keep "
+                          "in-flight sequences across a weight update; use staleness.partial_rollout=recompute")
 
 
 def check_model_folder(folder: Path, engine: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import yaml
@@ -34,14 +35,30 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
     model = load_model(model_dir)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
-    load_model_weights(checkpoint_dir(run_dir, step), model)
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_weights(checkpoint_dir(run_dir, step), model)
     if cfg.model.lora is not None:
         model = model.merge_and_unload()
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     load_tokenizer(model_dir).save_pretrained(tmp)
+    apply_umask(tmp)
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)
     return out
+
+
+def apply_umask(folder: Path) -> None:
+    """Give the folder and its files the modes the user's umask gives new files.
+
+    Some writers (safetensors, temp-file-then-rename savers) create files 0600 whatever the umask,
+    which leaves an exported model unreadable to the group or to a serving process.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

@@ -181,3 +181,9 @@ def encode_chat(tokenizer, user_content: str, system_prompt: str | None = None) 
     messages.append({"role": "user", "content": user_content})
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+def meta_model(hf_config, dtype: torch.dtype = torch.float32):
+    """The model a config describes, on the `meta` device: names, shapes and sizes, no memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colorl import faults
 from colorl.config import Config, dump_config, resolve_reward
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
-from colorl.evaluate import evaluate
+from colorl.evaluate import EvalResult, evaluate
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.models import encode_chat, load_tokenizer, resolve_model_path
@@ -25,10 +26,11 @@ from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
 from colorl.train.checkpoint import (
-    TrainerState, latest_step, load_checkpoint, prune_checkpoints, save_checkpoint,
+    TrainerState, latest_step, load_checkpoint, prune_checkpoints, read_rank_file, save_checkpoint,
 )
 from colorl.train.policy import PolicyTrainer
 
+ROLLOUT_STATE = "rollout"  # per-rank file of a bounded-lag checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +52,8 @@ class RankContext:
     metrics: MetricsWriter | None
     display: Display
     stop_ids: tuple[int, ...]
+    nonfinite: faults.NonFiniteGuard
+    resumed_from: int | None = None  # checkpoint step the run resumed from
     history: list[dict] = field(default_factory=list)
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
 
@@ -62,14 +66,14 @@ class RankContext:
             self._prompt_cache[prompt] = encode_chat(self.tokenizer, prompt, self.cfg.model.system_prompt)
         return self._prompt_cache[prompt]
 
-    def problem_indices(self) -> range:
-        """This rank's slice of the step's problems in the task's one seeded stream."""
-        start = self.state.data_position + self.rank * self.groups_per_rank
+    def problem_indices(self, step: int) -> range:
+        """This rank's slice of step `step`'s problems in the task's one seeded stream."""
+        start = step * self.cfg.rollout.batch_groups + self.rank * self.groups_per_rank
         return range(start, start + self.groups_per_rank)
 
-    def sample_seed(self) -> int:
+    def sample_seed(self, step: int) -> int:
         """Sampling seeds depend only on (run seed, step, rank), so a resumed run redraws the same samples."""
-        return (self.cfg.run.seed * 1_000_003 + self.state.step) * 1_009 + self.rank
+        return (self.cfg.run.seed * 1_000_003 + step) * 1_009 + self.rank
 
     def should_save(self) -> bool:
         every, step = self.cfg.run.save_every, self.state.step
@@ -86,26 +90,53 @@ class RankContext:
         """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""
         return predicted_staleness_for(self.cfg, rho, m_tail)
 
-    def maybe_evaluate(self) -> float | None:
-        """Held-out greedy accuracy every `run.eval_every` steps (each rank takes a slice), else None."""
+    def maybe_evaluate(self, run_eval=None) -> float | None:
+        """Held-out greedy accuracy every `run.eval_every` steps (each rank takes a slice), else None.
+
+        run_eval: how to run it on this rank's engine (bounded-lag mode hands the eval to its rollout
+        thread); by default the engine is woken for it and put back to sleep.
+        """
         every = self.cfg.run.eval_every
         if not every or self.state.step % every:
             return None
+        faults.point("eval", self.state.step)
         problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
-        self.engine.wake()
-        result = evaluate(self.engine, problems, self.reward_fn, self.tokenizer, self.cfg.rollout.max_new_tokens,
-                          system_prompt=self.cfg.model.system_prompt, stop_ids=self.stop_ids)
-        self.engine.sleep(self.cfg.engine.sleep_level)
+        if run_eval is None:
+            self.engine.wake()
+            result = self.evaluate_problems(problems)
+            self.engine.sleep(self.cfg.engine.sleep_level)
+        else:
+            result = run_eval(problems)
         totals = torch.tensor([result.accuracy * result.problems, float(result.problems)], dtype=torch.float64)
         dist.all_reduce(totals)
         return float(totals[0] / totals[1]) if totals[1] else None
 
-    def report_initial_eval(self) -> None:
+    def evaluate_problems(self, problems: list) -> EvalResult:
+        return evaluate(self.engine, problems, self.reward_fn, self.tokenizer, self.cfg.rollout.max_new_tokens,
+                        system_prompt=self.cfg.model.system_prompt, stop_ids=self.stop_ids)
+
+    def report_initial_eval(self, run_eval=None) -> None:
         """The baseline the periodic evals compare against, shown before the first step."""
-        accuracy = self.maybe_evaluate()
+        self.display.phase("held-out eval before step 1")
+        accuracy = self.maybe_evaluate(run_eval)
         if accuracy is not None:
             self.event(f"eval_accuracy step=0 {accuracy:.4f}")
-            self.display.message(f"held-out accuracy before training: {accuracy:.1%}")
+            self.display.initial_accuracy(accuracy)
+
+    def check_numerics(self, train, rollout_state=None) -> None:
+        """After a step is logged: the Nth non-finite loss or gradient norm in a row saves the last
+        good step as the newest checkpoint and stops the run, saying why.
+        rollout_state: bounded-lag mode's snapshot function, for that checkpoint."""
+        last_good = self.nonfinite.observe(train.loss, train.grad_norm, self.state)
+        if last_good is None:
+            return
+        first_bad, limit = self.state.step - self.nonfinite.limit + 1, self.nonfinite.limit
+        self.state = last_good
+        self.save(rollout_state() if rollout_state is not None else None)
+        raise faults.RunFault(
+            f"stopped: {limit} non-finite losses or gradient norms in a row (steps {first_bad}-{first_bad + limit - 1}, "
+            f"train.max_nonfinite_in_a_row={limit}); checkpoint step_{last_good.step} holds the last good step: "
+            f"lower train.lr or check the rewards, then --resume")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -115,11 +146,37 @@ class RankContext:
             with open(self.run_dir / "events.log", "a", encoding="utf-8") as handle:
                 handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {text}\n")
 
-    def save(self) -> None:
-        path = save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer, self.state)
+    def save(self, rollout_state: dict | None = None) -> None:
+        """A checkpoint; bounded-lag mode adds its rollout state (completed groups, tickets in flight)."""
+        rank_files = {ROLLOUT_STATE: json.dumps(rollout_state)} if rollout_state is not None else {}
+        path = save_checkpoint(self.run_dir, self.trainer.model, self.trainer.optimizer, self.state, rank_files)
         self.event(f"checkpoint step={self.state.step} path={path}")
         for step in prune_checkpoints(self.run_dir, self.cfg.run.keep_checkpoints):
             self.event(f"checkpoint step={step} deleted (run.keep_checkpoints={self.cfg.run.keep_checkpoints})")
+
+    def load_rollout_state(self) -> dict | None:
+        """This rank's bounded-lag rollout state from the checkpoint the run resumed from, if any."""
+        if self.resumed_from is None:
+            return None
+        text = read_rank_file(self.run_dir, self.resumed_from, ROLLOUT_STATE)
+        return json.loads(text) if text is not None else None
+
+    def loop_threads(self) -> tuple[int, int]:
+        """Intra-op threads of (rollout loop, train loop) in bounded-lag mode.
+
+        Each thread starts its own OpenMP team; two teams as wide as the rank's cores oversubscribe
+        them (barriers then stall for whole scheduler slices). Default: split the rank's cores,
+        the rollout loop taking half (bench/threads.py measured the alternatives).
+        """
+        budget = torch.get_num_threads()
+        launch = self.cfg.launch
+        rollout = launch.rollout_threads or max(1, budget // 2)
+        train = launch.train_threads or max(1, budget - rollout)
+        return rollout, train
+
+    @staticmethod
+    def set_train_threads(threads: int) -> None:
+        torch.set_num_threads(threads)  # per thread: the rollout thread sets its own
 
 
 class StopRequest:
@@ -183,12 +240,13 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
     metrics = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine}", enabled=rank == 0)
+    nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
-                      weight_sync, state, metrics, display, stop_ids)
+                      weight_sync, state, metrics, display, stop_ids, nonfinite, resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
-              f"resume={resume}", all_ranks=True)
+              f"resume={resume} sync={weight_sync.transport}", all_ranks=True)
     return ctx
 
 

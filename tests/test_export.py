@@ -1,6 +1,10 @@
 """`colorl export` gives a folder that from_pretrained loads and that generates the same greedy text."""
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +29,16 @@ def test_export_loads_and_generates_like_the_checkpoint(tmp_path, monkeypatch, c
             "rollout.max_new_tokens=8", "train.lr=1e-2"]
     assert main(["train", "configs/tiny.yaml", "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]) == 0
     out = tmp_path / "exported"
-    assert main(["export", str(run), str(out)]) == 0
+    previous = os.umask(0o022)  # inherited by the export process
+    try:
+        done = subprocess.run([sys.executable, "-m", "colorl", "export", str(run), str(out)], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    finally:
+        os.umask(previous)
+    assert done.returncode == 0 and done.stdout == f"exported: {out}\n"
+    assert done.stderr == ""  # no library warnings a user cannot act on
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert modes == {name: 0o755 if name == out.name else 0o644 for name in modes}, modes
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert (out / "model.safetensors").exists() or list(out.glob("*.safetensors"))
 

@@ -22,17 +22,12 @@ def tiny_overrides(extra=()):
 
 def _train_in_process(rank, world, cfg_dict, run_dir, out_file):
     """Build the real rank context, run three steps, check weights and engine inside the ranks."""
-    from colorl.config import validate
     from colorl.modes.colocated import run_colocated
-    from colorl.worker import StopRequest, build_context, prepare_run_dir
+    from colorl.worker import StopRequest
+    from rank_context import fresh_rank_context
 
-    import torch.distributed as dist
-
-    cfg = validate(cfg_dict)
-    if rank == 0:
-        prepare_run_dir(cfg, Path(run_dir), resume=False)
-    dist.barrier()
-    ctx = build_context(cfg, rank, world, "cpu", Path(run_dir), resume=False)
+    ctx = fresh_rank_context(rank, world, cfg_dict, run_dir)
+    cfg = ctx.cfg
     params = dict(ctx.trainer.model.named_parameters())
     before = {n: p.full_tensor().clone() for n, p in params.items()}
     run_colocated(ctx, StopRequest())

@@ -66,6 +66,8 @@ class Engine(ABC):
     """A rollout engine. Weights use Hugging Face parameter names."""
 
     version: int = 0
+    # In-flight sequences continue on their KV cache across `update_weights` (partial rollout "keep").
+    keeps_kv_across_updates: bool = False
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...

@@ -5,6 +5,8 @@ Deviations from a serving engine, on purpose: one `step()` runs a whole batch to
 `interrupt` only ever returns requests that had not started; per-request seeds are not
 independent (the batch is sampled from one generator seeded by its first request), and a batch
 decodes until its longest request is done.
+In bounded-lag mode nothing is ever in flight at a step boundary (a step finishes its batch), so
+new weights apply between batches: no partial rollout, and `partial_rollout: keep` is refused.
 """
 from __future__ import annotations
 

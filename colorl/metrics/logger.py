@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 # Keys every metrics line carries (DESIGN.md); modes fill the ones that do not apply with 0 / null.
@@ -17,6 +18,7 @@ METRIC_KEYS = (
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = False) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        _end_torn_line(self.path)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -27,6 +29,7 @@ class MetricsWriter:
         missing = [k for k in METRIC_KEYS if k not in record]
         if missing:
             raise KeyError(f"metrics line lacks {missing}")
+        record = {**record, "timestamp": record.get("timestamp", time.time())}  # wall clock for `colorl plot`
         line = json.dumps(record, sort_keys=False) + "\n"
         with open(self.path, "a", encoding="utf-8") as handle:  # append-only: a crash loses at most this line
             handle.write(line)
@@ -34,8 +37,11 @@ class MetricsWriter:
             os.fsync(handle.fileno())
         if self._tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
+                if isinstance(value, (int, float)) and key not in ("step", "timestamp"):
                     self._tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, dict):  # e.g. staleness_hist: one curve per bin
+                    for bin_name, count in value.items():
+                        self._tb.add_scalar(f"{key}/{bin_name}", count, record["step"])
             self._tb.flush()
 
     def close(self) -> None:
@@ -43,21 +49,36 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _end_torn_line(path: Path) -> None:
+    """A crash mid-write leaves a last line without its newline; end it, so the next record starts
+    a line of its own instead of being glued to the torn one (the file stays append-only)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        torn = handle.read(1) != b"\n"
+    if torn:
+        with open(path, "ab") as handle:
+            handle.write(b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """One record per step, in step order; the last line for a step wins.
 
     The file is never rewritten: steps redone after a resume from an earlier checkpoint are
-    appended again, and a torn last line from a crash is skipped.
+    appended again. Lines a crash tore (cut JSON, cut UTF-8, no integer `step`) are skipped.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
     by_step: dict[int, dict] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        by_step[record["step"]] = record
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            by_step[record["step"]] = record
     return [by_step[k] for k in sorted(by_step)]
-

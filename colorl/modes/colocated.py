@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from colorl import faults
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.collect import collect_groups
 from colorl.train.batch import build_batch
@@ -24,29 +25,37 @@ def run_colocated(ctx, stop) -> None:
         times = StepTimes()
         ctx.display.phase("rollout")
         engine.wake()
-        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        faults.point("rollout", ctx.state.step + 1)
+        indices = list(ctx.problem_indices(ctx.state.step))
+        problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
-                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
         engine.sleep(cfg.engine.sleep_level)
         times.rollout = time.perf_counter() - times.start
+        times.phase_done("rollout")
 
         ctx.display.phase("train")
         trainer.onload()
+        faults.point("train", ctx.state.step + 1)
         batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id,
                             drop_zero_variance=cfg.filter.zero_variance)
         train_stats = trainer.train_step(batch)
         trainer.offload()
         times.train = time.perf_counter() - times.start - times.rollout
+        times.phase_done("train")
 
         ctx.display.phase("sync")
+        faults.point("sync", ctx.state.step + 1)
         sync_stats = ctx.weight_sync.sync(engine, ctx.state.version + 1)
         times.sync = time.perf_counter() - times.start - times.rollout - times.train
+        times.phase_done("sync")
 
         ctx.state.step += 1
         ctx.state.version += 1
         ctx.state.data_position += cfg.rollout.batch_groups
         record = step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1)
         ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate()})
+        ctx.check_numerics(train_stats)
         stopping = stop.agreed()
         if stopping or ctx.should_save():
             ctx.save()

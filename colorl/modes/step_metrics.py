@@ -1,4 +1,8 @@
-"""One metrics line per step, all-reduced over ranks, with the keys DESIGN.md lists."""
+"""One metrics line per step, all-reduced over ranks, with the keys DESIGN.md lists.
+
+Both modes write the same keys. Colocated mode has no rollout window (the rollout is a phase of
+the step): its queue, wait and idle figures are 0 and its pre-queue / in-queue staleness are 0.
+"""
 from __future__ import annotations
 
 import time
@@ -7,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from colorl.rollout.types import Group
+from colorl.rollout.types import Group, RolloutWindow
+from colorl.staleness.live import predicted_split_for
 
 
 @dataclass
@@ -16,6 +21,26 @@ class StepTimes:
     rollout: float = 0.0
     train: float = 0.0
     sync: float = 0.0
+    trainer_wait: float = 0.0
+    cuda_peaks: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes allocated (CUDA only)
+
+    def phase_done(self, name: str) -> None:
+        """On CUDA: note the phase's peak allocation and start the next phase's from zero."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda_peaks[name] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_memory(times: StepTimes) -> dict:
+    """Allocated, reserved and per-phase peak memory of the device in GiB (max over ranks); {} on CPU."""
+    if not times.cuda_peaks:
+        return {}
+    names = sorted(times.cuda_peaks)
+    values = _reduce([torch.cuda.memory_allocated(), torch.cuda.memory_reserved()]
+                     + [times.cuda_peaks[n] for n in names], dist.ReduceOp.MAX)
+    gib = [v / 2**30 for v in values]
+    return {"cuda_allocated_gb": gib[0], "cuda_reserved_gb": gib[1],
+            **{f"cuda_peak_{name}_gb": value for name, value in zip(names, gib[2:])}}
 
 
 def _reduce(values: list[float], op) -> list[float]:
@@ -25,38 +50,79 @@ def _reduce(values: list[float], op) -> list[float]:
     return tensor.tolist()
 
 
-def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained_version: int) -> dict:
-    lengths = [len(r.output_ids) for g in groups for r in g.results]
+def _gather(values: list[int]) -> list[int]:
+    if not dist.is_initialized():
+        return list(values)
+    parts: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(values))
+    return sorted(v for part in parts for v in part)
+
+
+def staleness_histogram(staleness: list[int]) -> dict[str, int]:
+    """Groups per staleness value, all ranks (keys are strings: JSON object keys)."""
+    width = int(_reduce([max(staleness, default=0) + 1], dist.ReduceOp.MAX)[0])
+    counts = _reduce([float(sum(1 for s in staleness if s == k)) for k in range(width)], dist.ReduceOp.SUM)
+    return {str(k): int(n) for k, n in enumerate(counts) if n}
+
+
+def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained_version: int,
+                window: RolloutWindow | None = None) -> dict:
+    window = window or RolloutWindow()
+    lengths = [n for g in groups for n in g.lengths]
     rewards = [x for g in groups for x in g.rewards]
     staleness = [trained_version - g.first_version for g in groups]
-    group_max = [max(len(r.output_ids) for r in g.results) for g in groups]
+    done = [trained_version if g.done_version is None else g.done_version for g in groups]
+    pre_queue = [d - g.first_version for g, d in zip(groups, done)]
+    in_queue = [trained_version - d for d in done]
+    group_max = [max(g.lengths) for g in groups]
     reward_errors, reward_timeouts = ctx.reward_counters.take()
+    colocated = window.wall_s == 0.0
+    generated = sum(lengths) if colocated else window.generated_tokens
     sums = _reduce([
         sum(lengths), len(lengths), sum(rewards), sum(1 for x in rewards if x >= 1.0), sum(group_max), len(groups),
         sum(staleness), sum(1 for g in groups if g.has_signal), reward_errors, reward_timeouts,
+        sum(pre_queue), sum(in_queue), sum(g.mixed_version_tokens for g in groups), generated,
+        window.finished_samples if not colocated else len(lengths), window.wall_s, window.idle_s,
+        window.groups_aborted, window.groups_filtered, window.groups_dropped, times.trainer_wait,
+        window.samples_aborted,
     ], dist.ReduceOp.SUM)
     maxes = _reduce([max(lengths), max(staleness), times.rollout, times.train, time.perf_counter() - times.start],
                     dist.ReduceOp.MAX)
-    (tok, n, reward_sum, correct, group_max_sum, n_groups, stale_sum, mixed, errors, timeouts) = sums
+    (tok, n, reward_sum, correct, group_max_sum, n_groups, stale_sum, mixed, errors, timeouts, pre_sum, in_sum,
+     mixed_tokens, gen_tok, gen_n, wall_sum, idle_sum, aborted, filtered, dropped, wait_sum, samples_aborted) = sums
     len_max, stale_max, t_rollout, t_train, t_step = maxes
+    world = dist.get_world_size() if dist.is_initialized() else 1
     len_mean = tok / max(n, 1)
-    v_rollout = tok / t_rollout if t_rollout else 0.0
+    v_rollout = gen_tok / t_rollout if t_rollout else 0.0
     v_train = tok / t_train if t_train else 0.0
     rho = v_rollout / v_train if v_train else 0.0
     m_tail = (group_max_sum / max(n_groups, 1)) / len_mean if len_mean else 0.0
+    pqs_pred, iqs_pred = predicted_split_for(ctx.cfg, rho, m_tail)
     return {
         "step": ctx.state.step, "version": ctx.state.version, "loss": train.loss,
         "reward_mean": reward_sum / max(n, 1), "accuracy": correct / max(n, 1),
         "response_len_mean": len_mean, "response_len_max": int(len_max), "m_tail": m_tail,
         "staleness_mean": stale_sum / max(n_groups, 1), "staleness_max": int(stale_max),
         "staleness_pred": ctx.predicted_staleness(rho, m_tail),
+        "staleness_hist": staleness_histogram(staleness),
+        "pqs_measured": pre_sum / max(n_groups, 1), "iqs_measured": in_sum / max(n_groups, 1),
+        "pqs_pred": pqs_pred, "iqs_pred": iqs_pred,
         "rollout_tokens_per_s": v_rollout, "train_tokens_per_s": v_train, "rho": rho,
         "time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": sync.time_sync_s,
-        "time_step_s": t_step, "is_weight_mean": train.is_weight_mean, "is_weight_max": train.is_weight_max,
+        "time_step_s": t_step, "trainer_wait_s": wait_sum / world,
+        "engine_idle_frac": idle_sum / wall_sum if wall_sum else 0.0,
+        "generated_tokens": int(gen_tok), "trained_tokens": int(tok),
+        "sampled_len_mean": gen_tok / max(gen_n, 1), "trained_len_mean": len_mean,
+        "partial_rollout_token_frac": mixed_tokens / max(tok, 1),
+        "is_weight_mean": train.is_weight_mean, "is_weight_max": train.is_weight_max,
         "is_truncated_frac": train.is_truncated_frac, "clip_frac": train.clip_frac,
         "kl_mu_theta": train.kl_mu_theta, "kl_ref": train.kl_ref, "entropy": train.entropy, "grad_norm": train.grad_norm,
         "optimizer_steps_skipped": ctx.trainer.skipped_steps,
-        "groups_dropped": 0, "groups_mixed_frac": mixed / max(n_groups, 1),
+        "groups_dropped": int(dropped), "groups_aborted": int(aborted), "groups_filtered": int(filtered),
+        "samples_aborted": int(samples_aborted),
+        "groups_mixed_frac": mixed / max(n_groups, 1),
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,
+        "trained_problems": _gather([g.problem_index for g in groups]),
+        **cuda_memory(times),
     }

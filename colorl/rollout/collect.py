@@ -1,7 +1,8 @@
-"""Phase 2 of a step: turn problems into finished, rewarded groups through an Engine.
+"""Phase 2 of a colocated step: turn problems into finished, rewarded groups through an Engine.
 
 Rewards are computed as soon as all S samples of a group are done, while the engine keeps
-decoding the others.
+decoding the others. `step_requests` is shared with the bounded-lag mode, so both modes draw
+the very same samples (seeds, lengths) for the same step and rank.
 """
 from __future__ import annotations
 
@@ -26,20 +27,42 @@ def sampling_params(rollout_cfg, seed: int, length: LengthModel | None, rng: ran
     )
 
 
-def collect_groups(engine: Engine, problems: list[Problem], prompt_ids: list[list[int]], rollout_cfg,
-                   reward_fn, decode: Callable[[list[int]], str], base_seed: int,
-                   stop_ids: tuple[int, ...] = ()) -> list[Group]:
-    """Generate S samples per problem and reward each group as soon as its last sample finishes."""
+def step_requests(rollout_cfg, prompt_ids: list[list[int]], group_ids: list[str], base_seed: int,
+                  stop_ids: tuple[int, ...] = (), samples_per_group: int | None = None) -> list[list[GenerationRequest]]:
+    """The requests of one step's groups on one rank: request id `"{group_id}:{s}"`.
+
+    Seeds depend on (base_seed, position in the step, sample index) only; with
+    `rollout.length_override` the lengths come from the simulator's length model, EOS ignored,
+    so real runs match it. `samples_per_group` > S over-samples a group (redundant rollout): the
+    first S samples are exactly the ones a plain run draws.
+    """
     size = rollout_cfg.group_size
-    # `rollout.length_override`: the simulator's length model, EOS ignored, so real runs match it
+    extra = (samples_per_group or size) - size
     length = LengthModel(**rollout_cfg.length_override.model_dump()) if rollout_cfg.length_override else None
     rng = random.Random(base_seed)
-    pending: dict[int, dict[int, object]] = {}
-    for g, ids in enumerate(prompt_ids):
-        pending[g] = {}
-        for s in range(size):
-            params = sampling_params(rollout_cfg, base_seed * 100_003 + g * size + s, length, rng, stop_ids)
-            engine.add(GenerationRequest(request_id=f"{g}:{s}", prompt_ids=list(ids), params=params))
+    requests = []
+    for g, (ids, group_id) in enumerate(zip(prompt_ids, group_ids)):
+        seeds = [base_seed * 100_003 + g * size + s for s in range(size)]
+        params = [sampling_params(rollout_cfg, seed, length, rng, stop_ids) for seed in seeds]
+        requests.append([GenerationRequest(f"{group_id}:{s}", list(ids), p) for s, p in enumerate(params)])
+    surplus_rng = random.Random(base_seed + 1)  # surplus samples never shift the plain run's draws
+    for g, group in enumerate(requests):
+        for s in range(size, size + extra):
+            seed = (base_seed * 100_003 + g * size + s) * 31 + 7
+            group.append(GenerationRequest(f"{group_ids[g]}:{s}", list(prompt_ids[g]),
+                                           sampling_params(rollout_cfg, seed, length, surplus_rng, stop_ids)))
+    return requests
+
+
+def collect_groups(engine: Engine, problems: list[Problem], prompt_ids: list[list[int]], rollout_cfg,
+                   reward_fn, decode: Callable[[list[int]], str], base_seed: int,
+                   stop_ids: tuple[int, ...] = (), problem_indices: list[int] | None = None) -> list[Group]:
+    """Generate S samples per problem and reward each group as soon as its last sample finishes."""
+    size = rollout_cfg.group_size
+    for group in step_requests(rollout_cfg, prompt_ids, [str(g) for g in range(len(problems))], base_seed, stop_ids):
+        for request in group:
+            engine.add(request)
+    pending: dict[int, dict[int, object]] = {g: {} for g in range(len(problems))}
     groups: dict[int, Group] = {}
     while engine.has_unfinished():
         for result in engine.step():
@@ -49,5 +72,6 @@ def collect_groups(engine: Engine, problems: list[Problem], prompt_ids: list[lis
                 results = [pending[g][i] for i in range(size)]
                 problem = problems[g]
                 rewards = [reward_fn(problem.prompt, decode(r.output_ids), problem.answer) for r in results]
-                groups[g] = Group(problem, results, rewards)
+                index = problem_indices[g] if problem_indices is not None else -1
+                groups[g] = Group(problem, results, rewards, problem_index=index)
     return [groups[g] for g in range(len(problems))]

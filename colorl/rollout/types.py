@@ -1,4 +1,4 @@
-"""A GRPO group: the S samples of one prompt, with their rewards once all S are done."""
+"""A GRPO group (the S samples of one prompt, rewarded), and what the rollout thread did per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +12,9 @@ class Group:
     problem: Problem
     results: list[GenerationResult]  # S samples
     rewards: list[float]
+    problem_index: int = -1  # position in the task's problem stream
+    ticket: int = -1  # bounded-lag: this rank's admission number (its position in the rank's data stream)
+    done_version: int | None = None  # engine version when the group was complete (None: trained at once)
 
     @property
     def first_version(self) -> int:
@@ -22,3 +25,28 @@ class Group:
     def has_signal(self) -> bool:
         """False for zero-variance groups: every advantage would be 0."""
         return max(self.rewards) != min(self.rewards)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r.output_ids) for r in self.results]
+
+    @property
+    def mixed_version_tokens(self) -> int:
+        """Tokens produced by a newer version than their sample's first token (partial rollout)."""
+        return sum(sum(1 for v in r.versions if v != r.first_version) for r in self.results)
+
+
+@dataclass
+class RolloutWindow:
+    """What the rollout thread did between two trainer takes (bounded-lag mode)."""
+
+    wall_s: float = 0.0
+    busy_s: float = 0.0  # inside engine.step()
+    idle_s: float = 0.0  # nothing admitted: admission blocked or no work
+    apply_s: float = 0.0  # writing published weights into the engine
+    generated_tokens: int = 0  # tokens of samples that finished generating
+    finished_samples: int = 0
+    groups_aborted: int = 0  # batch-level redundancy: surplus groups aborted once a buffer is full
+    samples_aborted: int = 0  # group-level redundancy: surplus samples aborted once a group is full
+    groups_filtered: int = 0  # zero-variance groups released at Occupy
+    groups_dropped: int = 0  # evicted by queue_drop or discarded as too stale by queue_max

@@ -20,7 +20,7 @@ from typing import Any
 
 from colorl.staleness import formula
 from colorl.staleness.formula import LengthModel, Workload
-from colorl.staleness.live import predicted_staleness
+from colorl.staleness.live import predicted_split, predicted_staleness
 from colorl.staleness.simulator import SimConfig, simulate
 
 SENSITIVITY_RHOS = (0.5, 0.8, 0.9, 1.1, 1.5, 2.0)  # not 1: IQS jumps from 1 to q there
@@ -96,14 +96,9 @@ def read_run(run_dir: str | Path) -> MeasuredRun:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UsageError(f"--from {run_dir}: no metrics.jsonl in this directory")
-    records = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
+    from colorl.metrics.logger import read_metrics
+
+    records = read_metrics(path)  # torn lines skipped; a step redone after a resume counted once
     if not records:
         raise UsageError(f"--from {run_dir}: metrics.jsonl has no complete line")
     if len(records) >= 3:
@@ -117,6 +112,11 @@ def read_run(run_dir: str | Path) -> MeasuredRun:
         max_len=_mean_of(records, "response_len_max"),
         staleness_mean=_mean_of(records, "staleness_mean"),
         time_step_s=_mean_of(records, "time_step_s"))
+
+
+def assumed_lengths(setup: Setup) -> LengthModel:
+    """Lengths when neither the config nor a run gives them: mean max_new_tokens/4, tailness 50."""
+    return LengthModel(max(1.0, setup.max_new_tokens / 4), ASSUMED_TAILNESS, setup.max_new_tokens)
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -170,13 +170,15 @@ def predict_report(setup: Setup, rho: float, m_tail: float, *, mean_len: float |
     """Everything `colorl predict` shows, as one JSON-able dict."""
     w = setup.workload
     pred = formula.predict(w, rho, m_tail, v_rollout=v_rollout, mean_len=mean_len)
-    async_value = predicted_staleness(w.concurrency, w.batch_rollouts, w.queue_factor, rho,
-                                      m_tail, "bounded_lag", setup.buffer, setup.eta)
+    split = predicted_split(w.concurrency, w.batch_rollouts, w.queue_factor, rho, m_tail,
+                            "bounded_lag", setup.buffer, setup.eta)
     v_train = v_rollout / rho if v_rollout else None
     report: dict[str, Any] = {
-        "pqs": pred.pqs, "iqs": pred.iqs, "staleness": async_value, "t_period": pred.t_period,
-        "rho": rho, "m_tail": m_tail, "regime": pred.regime, "mode": setup.mode,
-        "buffer": setup.buffer, "eta": setup.eta, "staleness_queue_drop": pred.staleness,
+        "pqs": split.pqs, "iqs": split.iqs, "staleness": split.staleness,
+        "t_period": pred.t_period, "rho": rho, "m_tail": m_tail, "regime": pred.regime,
+        "mode": setup.mode, "buffer": setup.buffer, "eta": setup.eta,
+        "pqs_queue_drop": pred.pqs, "iqs_queue_drop": pred.iqs,
+        "staleness_queue_drop": pred.staleness,
         "concurrency": w.concurrency, "batch_rollouts": w.batch_rollouts,
         "queue_factor": w.queue_factor, "mean_len": mean_len, "v_rollout": v_rollout,
         "v_train": v_train,
@@ -188,7 +190,9 @@ def predict_report(setup: Setup, rho: float, m_tail: float, *, mean_len: float |
         report["bounded_lag"] = {k: report[k] for k in ("pqs", "iqs", "staleness", "t_period")}
         sync_period = (w.batch_rollouts * mean_len * (1 / v_rollout + 1 / v_train)
                        if mean_len and v_rollout else None)
-        report.update(pqs=0.0, iqs=0.0, staleness=0.0, t_period=sync_period)
+        report["bounded_lag"]["advice"] = report["advice"]
+        report.update(pqs=0.0, iqs=0.0, staleness=0.0, t_period=sync_period, advice=[],
+                      eta=0, buffer=setup.sim_buffer()[0])
     return report
 
 
@@ -212,26 +216,32 @@ def _print_predict(report: dict[str, Any], sources: dict[str, str], setup: Setup
 
     console = _console()
     w = setup.workload
+    buffer, eta = setup.sim_buffer()
     title = (f"Staleness prediction — C={w.concurrency}, G={w.batch_groups}, "
              f"S={w.group_size} (B={w.batch_rollouts}), q={w.queue_factor:g}, "
-             f"mode={setup.mode}, buffer={setup.buffer}, η={setup.eta}")
+             f"mode={setup.mode}, buffer={buffer}, η={eta}")
     table = Table(title=title, title_justify="left")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_column("from / meaning")
+    colocated = setup.mode == "colocated"
     async_part = report.get("bounded_lag", report)
     table.add_row("ρ = v_R / v_T", _fmt(report["rho"]), sources["rho"])
     table.add_row("M_tail", _fmt(report["m_tail"], ".3f"), sources["m_tail"])
     table.add_row("regime", report["regime"], "ρ < 1 rollout-bound, ρ >= 1 train-bound")
-    table.add_row("PQS", _fmt(async_part["pqs"]), "C·M_tail / (B·max(1, ρ))")
-    table.add_row("IQS", _fmt(async_part["iqs"]), "ρ, or (2q + ρ − 1)/(2ρ) when train-bound")
-    table.add_row("staleness (queue-drop)", _fmt(report["staleness_queue_drop"]), "PQS + IQS")
-    if setup.buffer != "queue_drop":
-        table.add_row(f"staleness ({setup.buffer}, η={setup.eta})",
-                      _fmt(async_part["staleness"]), "η-bounded buffer")
-    if setup.mode == "colocated":
-        table.add_row("staleness (colocated)", "0.00", "on-policy; rows above are for "
-                      "mode=bounded_lag")
+    if colocated:
+        table.add_row("staleness (colocated)", "0.00", "on-policy: every sample is trained by the "
+                      "version that generated it")
+    else:
+        table.add_row("PQS (queue-drop)", _fmt(report["pqs_queue_drop"]), "C·M_tail / (B·max(1, ρ))")
+        table.add_row("IQS (queue-drop)", _fmt(report["iqs_queue_drop"]),
+                      "ρ, or (2q + ρ − 1)/(2ρ) when train-bound")
+        table.add_row("staleness (queue-drop)", _fmt(report["staleness_queue_drop"]), "PQS + IQS")
+        if setup.buffer != "queue_drop":
+            table.add_row(f"staleness ({setup.buffer}, η={setup.eta})",
+                          f"{_fmt(async_part['pqs'])} + {_fmt(async_part['iqs'])} = "
+                          f"{_fmt(async_part['staleness'])}",
+                          "PQS + IQS, η-bounded (split scaled from queue-drop)")
     period = report["t_period"]
     table.add_row("t_period (s)", _fmt(period),
                   sources["t_period"] if period is None else
@@ -240,6 +250,10 @@ def _print_predict(report: dict[str, Any], sources: dict[str, str], setup: Setup
     if report["measured_staleness"] is not None:
         table.add_row("measured staleness_mean", _fmt(report["measured_staleness"]), "--from run")
     console.print(table)
+    if colocated:
+        console.print("pass --mode bounded_lag to see what the asynchronous mode would give (PQS, IQS, "
+                      "η) and its advice")
+        return
 
     sens = Table(title="If ρ drifts (queue-drop formula)", title_justify="left")
     sens.add_column("ρ", justify="right")
@@ -280,8 +294,10 @@ def run_predict(args: argparse.Namespace) -> int:
         m_tail = setup.lengths.m_tail(setup.workload.group_size)
         sources["m_tail"] = "exact, rollout.length_override"
     if m_tail is None:
-        raise UsageError("M_tail unknown: pass --m-tail X, --from RUN_DIR, or set "
-                         "rollout.length_override")
+        assumed = assumed_lengths(setup)
+        m_tail = assumed.m_tail(setup.workload.group_size)
+        sources["m_tail"] = (f"assumed: lengths of mean {assumed.mean:g}, tailness {assumed.tailness:g}, "
+                             f"cap {assumed.cap} (pass --m-tail or --from RUN_DIR)")
 
     mean_len = measured.mean_len if measured else None
     if mean_len is None and setup.lengths is not None:
@@ -382,25 +398,23 @@ def simulate_point(setup: Setup, point: SimPoint, steps: int, seed: int) -> dict
     mean_len = point.lengths.expected_length()
     pred = formula.predict(w, point.rho, m_tail, v_rollout=float(w.concurrency),
                            mean_len=mean_len)
+    split = predicted_split(w.concurrency, w.batch_rollouts, w.queue_factor, point.rho, m_tail,
+                            setup.mode, buffer, point.eta)
     if setup.mode == "colocated":
         # v_R = C·1 token per time unit; sync runs rollout and train back to back.
         period = w.batch_rollouts * mean_len * (1 + point.rho) / w.concurrency
-        staleness_formula = 0.0
-        pred = replace(pred, pqs=0.0, iqs=0.0, staleness=0.0)
     else:
         period = pred.t_period
-        staleness_formula = predicted_staleness(w.concurrency, w.batch_rollouts, w.queue_factor,
-                                                point.rho, m_tail, setup.mode, buffer,
-                                                point.eta)
     return {
+        "staleness": result.staleness_mean,
         "staleness_mean": result.staleness_mean, "staleness_max": result.staleness_max,
         "pqs": result.pqs, "iqs": result.iqs, "t_period": result.t_period,
         "groups_dropped": result.groups_dropped, "sampled_len_mean": result.sampled_len_mean,
         "trained_len_mean": result.trained_len_mean, "rho": point.rho,
         "sampled_len_max": result.sampled_len_max, "trained_len_max": result.trained_len_max,
         "rollout_utilization": result.rollout_utilization,
-        "formula_staleness": staleness_formula, "formula_pqs": pred.pqs,
-        "formula_iqs": pred.iqs, "formula_t_period": period, "m_tail": m_tail,
+        "formula_staleness": split.staleness, "formula_pqs": split.pqs,
+        "formula_iqs": split.iqs, "formula_t_period": period, "m_tail": m_tail,
         "concurrency": w.concurrency, "batch_groups": w.batch_groups,
         "group_size": w.group_size, "queue_factor": w.queue_factor, "eta": point.eta,
         "tailness": point.lengths.tailness, "mean_len": point.lengths.mean,
@@ -440,6 +454,9 @@ def _print_simulate(rows: list[dict[str, Any]], field: str | None, setup: Setup,
         ]
         table.add_row(*cells)
     console.print(table)
+    console.print("t_per formula assumes every slot always busy; the simulation waits for each "
+                  "batch's slowest samples (stragglers, M_tail) and, with staleflow, for admission — "
+                  "so t_per sim ≈ formula / busy where rollout sets the pace.")
     if setup.mode == "colocated":
         console.print("mode=colocated trains on-policy (staleness 0); pass --mode bounded_lag "
                         "to simulate the asynchronous mode.")
@@ -503,8 +520,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     base = setup.lengths
     assumed = ""
     if base is None:
-        base = LengthModel(max(1.0, setup.max_new_tokens / 4), ASSUMED_TAILNESS,
-                           setup.max_new_tokens)
+        base = assumed_lengths(setup)
         assumed = " (assumed: no rollout.length_override)"
     lengths = replace(base, mean=args.mean_len or base.mean,
                       tailness=base.tailness if args.tailness is None else args.tailness)

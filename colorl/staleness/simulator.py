@@ -8,13 +8,9 @@ done. The trainer takes G groups whenever a batch is available, trains for t_ste
 publishes version v+1, which rollouts use at once (weight sync costs nothing). The loop jumps
 from one sample completion or train end to the next (heapq), so there is no time step.
 
-Buffers (registry `BUFFERS`):
-- `queue_drop`: q·G groups; a full queue drops its oldest group; the trainer takes the oldest G.
-- `queue_max`: unbounded queue; at consume time groups staler than η are discarded (the seed
-  does not say whether queue-max is also capacity-bound; here it is not).
-- `staleflow`: StaleFlow's virtual staleness buffers (Reserve / Occupy / Consume, with entry
-  movement on delete), one per version with G entries; a new group is admitted only when a
-  Reserve succeeds, otherwise the slot idles until the next version.
+Buffers: `colorl.buffer` (the same code the bounded-lag mode runs), each with G entries per
+step: `queue_drop`, `queue_max` and `staleflow`. A new group starts only when the buffer admits
+it (StaleFlow's Reserve); otherwise the slot idles until the next version.
 
 Pure Python (`random`, `heapq`), no torch.
 """
@@ -24,168 +20,24 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from colorl.buffer import BUFFERS, Slot, make_buffer
 from colorl.staleness.formula import LengthModel, Workload
 
 
-class _Group:
-    """A prompt's S samples. `v_start` is V_traj; `vbuf` is its StaleFlow buffer."""
+class _Group(Slot):
+    """A prompt's S samples: a buffer slot (`v_traj` = version at its first sample's start)
+    plus what the simulator measures."""
 
-    __slots__ = ("v_start", "unfinished", "len_sum", "len_max", "v_done", "vbuf")
+    __slots__ = ("unfinished", "len_sum", "len_max", "v_done")
 
-    def __init__(self, v_start: int, size: int) -> None:
-        self.v_start = v_start
+    def __init__(self, v_traj: int, size: int) -> None:
+        super().__init__(v_traj)
         self.unfinished = size
         self.len_sum = 0
         self.len_max = 0
-        self.v_done = v_start
-        self.vbuf = -1
-
-
-class QueueDrop:
-    """Bounded FIFO of q·G groups; an arrival into a full queue evicts the oldest group.
-    Unbiased in length (the seed's appendix): eviction depends on queue position only."""
-
-    def __init__(self, batch_groups: int, queue_factor: float, eta: int | None) -> None:
-        self.batch_groups = batch_groups
-        self.capacity = max(batch_groups, round(queue_factor * batch_groups))
-        self.queue: deque[_Group] = deque()
-
-    def admit(self, group: _Group, version: int) -> bool:
-        return True
-
-    def complete(self, group: _Group, version: int) -> int:
-        self.queue.append(group)
-        if len(self.queue) > self.capacity:
-            self.queue.popleft()
-            return 1
-        return 0
-
-    def take(self, version: int) -> tuple[list[_Group] | None, int]:
-        if len(self.queue) < self.batch_groups:
-            return None, 0
-        return [self.queue.popleft() for _ in range(self.batch_groups)], 0
-
-
-class QueueMax:
-    """Unbounded FIFO; groups whose staleness would exceed η are discarded at consume time.
-    Biased toward short answers: long samples accrue more versions while generating."""
-
-    def __init__(self, batch_groups: int, queue_factor: float, eta: int | None) -> None:
-        if eta is None or eta < 0:
-            raise ValueError("queue_max needs a staleness bound eta >= 0")
-        self.batch_groups = batch_groups
-        self.eta = eta
-        self.queue: deque[_Group] = deque()
-
-    def admit(self, group: _Group, version: int) -> bool:
-        return True
-
-    def complete(self, group: _Group, version: int) -> int:
-        self.queue.append(group)
-        return 0
-
-    def take(self, version: int) -> tuple[list[_Group] | None, int]:
-        oldest_ok = version - self.eta
-        fresh = deque(g for g in self.queue if g.v_start >= oldest_ok)
-        dropped = len(self.queue) - len(fresh)
-        self.queue = fresh
-        if len(fresh) < self.batch_groups:
-            return None, dropped
-        return [fresh.popleft() for _ in range(self.batch_groups)], dropped
-
-
-class _VirtualBuffer:
-    """One StaleFlow buffer: entries are interchangeable, so counts and lists suffice."""
-
-    __slots__ = ("free", "reserved", "occupied")
-
-    def __init__(self, capacity: int) -> None:
-        self.free = capacity
-        self.reserved: list[_Group] = []
-        self.occupied: list[_Group] = []
-
-
-class StaleFlowBuffers:
-    """Virtual staleness buffers (StaleFlow §4.2). Buffer V_buf is trained from version V_buf;
-    every group in it satisfies V_traj + η >= V_buf, so no group is trained staler than η.
-
-    Reserve: backward scan from V_traj + η to V_traj, latest free entry (worst case).
-    Occupy: delete the reservation, move the earliest compatible reservation into the hole
-    (cascading), then take the earliest free entry (greedy). Consume: buffer v when all of
-    its entries are occupied and the trainer is at version v.
-    """
-
-    def __init__(self, batch_groups: int, queue_factor: float, eta: int | None) -> None:
-        if eta is None or eta < 0:
-            raise ValueError("staleflow needs a staleness bound eta >= 0")
-        self.batch_groups = batch_groups
-        self.eta = eta
-        self.buffers: dict[int, _VirtualBuffer] = {}
-        self.next_buf = 0
-
-    def _buffer(self, vbuf: int) -> _VirtualBuffer:
-        buf = self.buffers.get(vbuf)
-        if buf is None:
-            buf = self.buffers[vbuf] = _VirtualBuffer(self.batch_groups)
-        return buf
-
-    def admit(self, group: _Group, version: int) -> bool:
-        for vbuf in range(version + self.eta, max(version, self.next_buf) - 1, -1):
-            buf = self._buffer(vbuf)
-            if buf.free:
-                buf.free -= 1
-                buf.reserved.append(group)
-                group.vbuf = vbuf
-                return True
-        return False
-
-    def _earliest_movable(self, hole: int) -> tuple[int, _Group] | None:
-        for vbuf in range(self.next_buf, hole):
-            buf = self.buffers.get(vbuf)
-            if buf is None:
-                continue
-            for other in buf.reserved:
-                if other.v_start + self.eta >= hole:
-                    return vbuf, other
-        return None
-
-    def complete(self, group: _Group, version: int) -> int:
-        hole = group.vbuf
-        buf = self.buffers[hole]
-        buf.reserved.remove(group)
-        buf.free += 1
-        while (found := self._earliest_movable(hole)) is not None:
-            src_vbuf, other = found
-            src = self.buffers[src_vbuf]
-            src.reserved.remove(other)
-            src.free += 1
-            dst = self.buffers[hole]
-            dst.reserved.append(other)
-            dst.free -= 1
-            other.vbuf = hole
-            hole = src_vbuf
-        for vbuf in range(self.next_buf, hole + 1):
-            buf = self.buffers.get(vbuf)
-            if buf is not None and buf.free:
-                buf.free -= 1
-                buf.occupied.append(group)
-                group.vbuf = vbuf
-                return 0
-        raise AssertionError("occupy found no free entry")  # the hole itself is free
-
-    def take(self, version: int) -> tuple[list[_Group] | None, int]:
-        buf = self.buffers.get(version)
-        if buf is None or len(buf.occupied) < self.batch_groups:
-            return None, 0
-        del self.buffers[version]
-        self.next_buf = version + 1
-        return buf.occupied, 0
-
-
-BUFFERS = {"queue_drop": QueueDrop, "queue_max": QueueMax, "staleflow": StaleFlowBuffers}
+        self.v_done = v_traj
 
 
 @dataclass(frozen=True)
@@ -278,7 +130,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     rng = random.Random(cfg.seed)
     concurrency = cfg.workload.concurrency
     group_size = cfg.workload.group_size
-    buffer = BUFFERS[cfg.buffer](cfg.workload.batch_groups, cfg.workload.queue_factor, cfg.eta)
+    buffer = make_buffer(cfg.buffer, cfg.workload.batch_groups, cfg.workload.queue_factor,
+                         cfg.eta)
     warmup, steps = cfg.warmup_steps, cfg.steps
     t_step, speed = cfg.train_step_s, cfg.decode_speed
     draw_block = _block_sampler(cfg.lengths, rng)
@@ -303,13 +156,16 @@ def simulate(cfg: SimConfig) -> SimResult:
 
     block: list[int] = []  # lengths drawn ahead in blocks: one comprehension beats a call each
 
+    pending = _Group(0, group_size)  # the next group to admit; kept while admission refuses
+
     def start_sample(now: float) -> bool:
-        nonlocal open_group, to_start, seq, block
+        nonlocal open_group, to_start, seq, block, pending
         if to_start == 0:
-            group = _Group(version, group_size)
-            if not buffer.admit(group, version):
+            pending.v_traj = version
+            if not buffer.admit(pending):
                 return False
-            open_group, to_start = group, group_size
+            open_group, to_start = pending, group_size
+            pending = _Group(version, group_size)
         group = open_group
         to_start -= 1
         if not block:
@@ -324,18 +180,18 @@ def simulate(cfg: SimConfig) -> SimResult:
 
     def try_train(now: float) -> None:
         nonlocal train_end, dropped, pqs_sum, iqs_sum, trained, trained_tokens, trained_max
-        batch, n_dropped = buffer.take(version)
+        batch, discarded = buffer.take(version)
         if version >= warmup:
-            dropped += n_dropped
+            dropped += len(discarded)
         if batch is None:
             return
         train_end = now + t_step
         if version < warmup:
             return
         for group in batch:
-            stale = version - group.v_start
+            stale = version - group.v_traj
             hist[stale] = hist.get(stale, 0) + 1
-            pqs_sum += group.v_done - group.v_start
+            pqs_sum += group.v_done - group.v_traj
             iqs_sum += version - group.v_done
             trained_tokens += group.len_sum
             if group.len_max > trained_max:
@@ -357,15 +213,16 @@ def simulate(cfg: SimConfig) -> SimResult:
                     sampled_tokens += group.len_sum
                     if group.len_max > sampled_max:
                         sampled_max = group.len_max
-                n_dropped = buffer.complete(group, version)
-                if version >= warmup:
-                    dropped += n_dropped
+                evicted = buffer.complete(group)
+                if evicted and version >= warmup:
+                    dropped += len(evicted)
                 if train_end == math.inf:
                     try_train(t)
             if to_start == 0:  # the freed slot needs a new group: admission decides
-                group = _Group(version, group_size)
-                if buffer.admit(group, version):
-                    open_group, to_start = group, group_size
+                pending.v_traj = version
+                if buffer.admit(pending):
+                    open_group, to_start = pending, group_size
+                    pending = _Group(version, group_size)
             if to_start:  # start_sample inlined: this is the hot path
                 to_start -= 1
                 if not block:

@@ -202,7 +202,9 @@ class CheckpointEngine:
         adapters = self._plan.full_specs()
         for target in self._lora:
             w0, a, b = self._engine_specs[target.engine_name], adapters[target.a_name], adapters[target.b_name]
-            if w0.shape != (b.shape[0], a.shape[1]) or not w0.dtype == a.dtype == b.dtype:
+            # peft keeps adapters in float32 over a bf16/fp16 base (autocast_adapter_dtype): the
+            # merge computes in the adapters' dtype and rounds once into the engine's
+            if w0.shape != (b.shape[0], a.shape[1]) or a.dtype != b.dtype:
                 raise NameMapError(
                     f"LoRA target {target.engine_name} is {w0} in the engine but B @ A is "
                     f"{TensorSpec((b.shape[0], a.shape[1]), a.dtype)}"
@@ -210,6 +212,12 @@ class CheckpointEngine:
             self._w0[target.engine_name] = torch.empty(w0.shape, dtype=w0.dtype, device=self.device)
         self._write_plan(engine, base, self._stream(base), keep_w0=True)
         self._write(engine, self._stream(self._plan))
+
+    @property
+    def transport(self) -> str:
+        """How buckets travel: "local" (world size 1), "shared_memory" (/dev/shm, ranks of one
+        node) or "process_group" (collectives)."""
+        return "local" if self._mesh.world == 1 else "shared_memory" if self._shared else "process_group"
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -241,7 +249,14 @@ class CheckpointEngine:
         """At an engine step boundary (rollout thread): apply the newest published version, if any."""
         with self._lock:
             staged, self._pending = self._pending, None
-        return staged.apply(engine) if staged is not None else None
+        if staged is None:
+            return None
+        stats = staged.apply(engine)
+        if any(flat.is_cuda for _, flat in staged.buckets[:1]):
+            # the buckets were allocated on the trainer's stream and are freed with `staged`: the
+            # copies queued on this (rollout) stream must be done before the allocator reuses them
+            torch.cuda.current_stream().synchronize()
+        return stats
 
     @property
     def pending_version(self) -> int | None:
@@ -418,15 +433,21 @@ def _shared_slots(mesh: _Mesh, size: int) -> list[torch.Tensor]:
     return [shared[:size], shared[size:]]
 
 
+def node_id() -> tuple[str, str]:
+    """Which node this rank belongs to: host name and torchrun's node index (GROUP_RANK), so
+    two torchrun "nodes" on one host still count as two (colorl's own launcher: one node)."""
+    return socket.gethostname(), os.environ.get("GROUP_RANK", "0")
+
+
 def _can_share_memory(mesh: _Mesh, need_bytes: int) -> bool:
-    """Every rank runs on this host and /dev/shm has room for the slots (collective)."""
+    """Every rank runs on this node and /dev/shm has room for the slots (collective)."""
     free = 0
     if os.path.isdir(SHM_DIR):
         stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize
     views: list = [None] * mesh.world
-    dist.all_gather_object(views, (socket.gethostname(), free >= need_bytes), group=mesh.group)
-    return len({host for host, _ in views}) == 1 and all(ok for _, ok in views)
+    dist.all_gather_object(views, (node_id(), free >= need_bytes), group=mesh.group)
+    return len({node for node, _ in views}) == 1 and all(ok for _, ok in views)
 
 
 def _unpack(stream: Iterable[Blocks], copies: Sequence[Sequence[torch.Tensor]], emits: Sequence[Sequence[str]],

@@ -5,6 +5,7 @@ import json
 import random
 from pathlib import Path
 
+from colorl.config import read_text
 from colorl.tasks.base import Problem, check_options, register
 from colorl.tasks.rewards import math_reward
 
@@ -15,7 +16,7 @@ class DatasetError(ValueError):
 
 def read_problems(path: str | Path) -> list[Problem]:
     problems = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(Path(path), DatasetError).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -30,29 +31,27 @@ def read_problems(path: str | Path) -> list[Problem]:
     return problems
 
 
-@register("jsonl")
-class JsonlTask:
-    name = "jsonl"
+class ListedTask:
+    """A task over a fixed list of problems: a seeded held-out slice (or a given eval list), an
+    endless train stream reshuffled every epoch, and math answer checking."""
 
-    def __init__(self, seed: int, options: dict, path: str, eval_path: str | None = None) -> None:
-        opts = check_options(self.name, options, {"eval_fraction": float})
-        fraction = opts.get("eval_fraction", 0.1)
-        if not 0 <= fraction < 1:
-            raise ValueError(f"task.options.eval_fraction={fraction}: allowed 0 <= x < 1")
-        problems = read_problems(path)
-        if eval_path:
-            self._train, self._eval = problems, read_problems(eval_path)
+    name = "listed"
+
+    def __init__(self, seed: int, problems: list[Problem], eval_problems: list[Problem] | None,
+                 eval_fraction: float) -> None:
+        if eval_problems is not None:
+            self._train, self._eval = problems, eval_problems
         else:
             shuffled = problems[:]
-            random.Random(f"jsonl-split-{seed}").shuffle(shuffled)
-            cut = int(len(shuffled) * fraction)
+            random.Random(f"{self.name}-split-{seed}").shuffle(shuffled)
+            cut = int(len(shuffled) * eval_fraction)
             self._eval, self._train = shuffled[:cut], shuffled[cut:] or shuffled
         self._seed = seed
 
     def train_problem(self, index: int) -> Problem:
         epoch, offset = divmod(index, len(self._train))
         order = list(range(len(self._train)))
-        random.Random(f"jsonl-{self._seed}-{epoch}").shuffle(order)
+        random.Random(f"{self.name}-{self._seed}-{epoch}").shuffle(order)
         return self._train[order[offset]]
 
     def eval_problems(self, count: int) -> list[Problem]:
@@ -60,3 +59,19 @@ class JsonlTask:
 
     def reward(self, prompt: str, completion: str, answer: str) -> float:
         return math_reward(prompt, completion, answer)
+
+
+def eval_fraction_option(options: dict, default: float = 0.1) -> float:
+    fraction = options.get("eval_fraction", default)
+    if not 0 <= fraction < 1:
+        raise ValueError(f"task.options.eval_fraction={fraction}: allowed 0 <= x < 1")
+    return fraction
+
+
+@register("jsonl")
+class JsonlTask(ListedTask):
+    name = "jsonl"
+
+    def __init__(self, seed: int, options: dict, path: str, eval_path: str | None = None) -> None:
+        fraction = eval_fraction_option(check_options(self.name, options, {"eval_fraction": float}))
+        super().__init__(seed, read_problems(path), read_problems(eval_path) if eval_path else None, fraction)

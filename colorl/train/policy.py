@@ -108,9 +108,11 @@ class PolicyTrainer:
                 torch.cuda.synchronize()  # the copies are non-blocking; a checkpoint may read them next
 
     def _move_optimizer(self, device: str) -> None:
+        # AdamW keeps `step` on the CPU on purpose: on CUDA its non-capturable path reads it with
+        # .item(), a device sync per parameter per step
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device.type != torch.device(device).type:
+                if key != "step" and isinstance(value, torch.Tensor) and value.device.type != torch.device(device).type:
                     state[key] = value.to(device, non_blocking=True)
 
     # -- phase 5

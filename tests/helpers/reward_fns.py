@@ -10,3 +10,8 @@ def flaky(prompt: str, completion: str, answer: str) -> float:
     if len(completion) % 2:
         raise ValueError("odd length")
     return 1.0
+
+
+def long_is_right(prompt: str, completion: str, answer: str) -> float:
+    """Coarse on purpose: many groups end up with equal rewards (zero-variance filtering has work)."""
+    return 1.0 if len(completion) >= 6 else 0.0

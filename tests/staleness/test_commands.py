@@ -89,16 +89,26 @@ def test_predict_from_run(config, tmp_path, capsys):
 
 
 def test_predict_table(config, capsys):
-    assert run("predict", config, "--rho", "0.8") == 0
+    assert run("predict", config, "--rho", "0.8", "--mode", "bounded_lag") == 0
     text = capsys.readouterr().out
     assert "PQS" in text and "IQS" in text and "Advice" in text
+
+
+def test_predict_colocated_gives_no_async_advice_and_assumes_m_tail_aloud(capsys):
+    assert run("predict", "configs/quickstart.yaml", "--rho", "2") == 0
+    text = capsys.readouterr().out
+    assert "mode=colocated, buffer=staleflow, η=0" in text and "Advice" not in text and "│ PQS" not in text
+    assert "M_tail" in text and "assumed: lengths of mean 6, tailness 50, cap 24" in text
+    assert run("predict", "configs/quickstart.yaml", "--rho", "2", "--mode", "bounded_lag") == 0
+    assert "Advice" in capsys.readouterr().out
+    assert run("simulate", "configs/quickstart.yaml", "--steps", "50") == 0
+    assert "η=0" in capsys.readouterr().out  # the same η as predict for the same config
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rho", "-1"], "--rho"),
     (["--m-tail", "0.5"], "--m-tail"),
     (["--from", "/no/such/run"], "no such run directory"),
-    (["--set", "rollout.length_override=null"], "M_tail unknown"),
     (["--set", "rollout.concurency=3"], "concurrency"),
     (["--set", "staleness.queue_factor=0.5"], "queue_factor"),
 ])
@@ -130,6 +140,39 @@ def test_simulate_json(config, capsys):
             "sampled_len_mean", "trained_len_mean", "rho"} <= out.keys()
     assert out["rho"] == 0.5
     assert abs(out["staleness_mean"] - out["formula_staleness"]) < 0.25
+
+
+BOUNDED_LAG = """\
+run: {name: t, steps: 3}
+model: {path: /nowhere/model}
+mode: bounded_lag
+rollout: {group_size: 4, batch_groups: 8, concurrency: 64, max_new_tokens: 512,
+          length_override: {mean: 100, tailness: 50, cap: 512}}
+staleness: {max: 2, buffer: BUFFER}
+"""
+
+
+@pytest.mark.parametrize("buffer", ["staleflow", "queue_max", "queue_drop"])
+def test_bounded_lag_config_predicts_its_own_buffer(tmp_path, capsys, buffer):
+    """A `mode: bounded_lag` config, no --mode: the top-level pqs, iqs and staleness are
+    the prediction for the configured buffer and η, in predict and in simulate alike."""
+    path = tmp_path / "async.yaml"
+    path.write_text(BOUNDED_LAG.replace("BUFFER", buffer))
+    m_tail = LengthModel(100, 50, 512).m_tail(4)
+    for rho in (0.5, 1.5):
+        out = run_json(capsys, "predict", path, "--rho", rho)
+        assert out["mode"] == "bounded_lag" and out["buffer"] == buffer and out["eta"] == 2
+        assert out["pqs"] + out["iqs"] == pytest.approx(out["staleness"])
+        queue_drop = formula.staleness(64, 32, 1, rho, m_tail)
+        assert out["staleness_queue_drop"] == pytest.approx(queue_drop)
+        assert out["staleness"] == pytest.approx(queue_drop if buffer == "queue_drop" else 2.0)
+    row = run_json(capsys, "simulate", path, "--rho", "1.5", "--steps", "200")
+    assert row["mode"] == "bounded_lag" and row["buffer"] == buffer
+    assert row["staleness"] == row["staleness_mean"] == pytest.approx(row["pqs"] + row["iqs"])
+    assert row["formula_pqs"] + row["formula_iqs"] == pytest.approx(row["formula_staleness"])
+    if buffer != "queue_drop":
+        assert row["staleness_max"] <= 2
+        assert row["staleness"] == pytest.approx(row["formula_staleness"], abs=0.35)
 
 
 def test_simulate_colocated_is_sync(config, capsys):

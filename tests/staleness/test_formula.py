@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from colorl.staleness import formula
 from colorl.staleness.formula import LengthModel, Workload
-from colorl.staleness.live import predicted_staleness, predicted_staleness_for
+from colorl.staleness.live import (predicted_split, predicted_staleness,
+                                   predicted_staleness_for)
 from colorl.staleness.reference import SEED_RUNS
 
 
@@ -149,8 +150,21 @@ def test_live_prediction():
     assert predicted_staleness(64, 32, 1, 0.5, 1.5, buffer="queue_max", eta=2) == 2.0
     assert predicted_staleness(64, 32, 1, 0.5, 1.5, buffer="staleflow", eta=8) == pytest.approx(3.5)
     assert predicted_staleness(8, 32, 1, 1.5, 1.1, buffer="staleflow", eta=3) == 3.0
+    # train-bound, queue_max's unbounded queue fills until it discards: it sits at η too
+    assert predicted_staleness(8, 32, 1, 1.5, 1.1, buffer="queue_max", eta=3) == 3.0
     assert math.isnan(predicted_staleness(64, 32, 1, 0.0, 1.5))
     assert math.isnan(predicted_staleness(64, 32, 1, 0.5, math.nan))
+
+
+def test_live_split_adds_up_for_every_buffer():
+    drop = predicted_split(64, 32, 2, 2.0, 1.5, buffer="queue_drop")
+    assert drop == pytest.approx((formula.pqs(64, 32, 2.0, 1.5), formula.iqs(2.0, 2), 2.75))
+    for buffer in ("staleflow", "queue_max"):
+        for rho in (0.5, 1.5):
+            pqs, iqs, total = predicted_split(64, 32, 1, rho, 1.5, buffer=buffer, eta=2)
+            assert total == 2.0 and pqs + iqs == pytest.approx(total)
+            assert pqs / iqs == pytest.approx(formula.pqs(64, 32, rho, 1.5) / formula.iqs(rho, 1))
+    assert predicted_split(64, 32, 1, 0.5, 1.5, mode="colocated") == (0.0, 0.0, 0.0)
 
 
 def test_live_prediction_from_config():
@@ -160,5 +174,7 @@ def test_live_prediction_from_config():
                              "rollout.group_size=4", "staleness.buffer=queue_drop"],
                       check_paths=False)
     assert predicted_staleness_for(cfg, 0.5, 1.5) == 0.0  # colocated by default
-    cfg = cfg.model_copy(update={"mode": "bounded_lag"})  # not yet accepted by validation
+    cfg = load_config(None, ["mode=bounded_lag", "rollout.concurrency=64",
+                             "rollout.batch_groups=8", "rollout.group_size=4",
+                             "staleness.buffer=queue_drop"], check_paths=False)
     assert predicted_staleness_for(cfg, 0.5, 1.5) == pytest.approx(3.5)

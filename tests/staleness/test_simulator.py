@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from colorl.staleness import formula
 from colorl.staleness.formula import LengthModel, Workload
-from colorl.staleness.simulator import SimConfig, StaleFlowBuffers, _Group, simulate
+from colorl.staleness.simulator import SimConfig, simulate
 
 GRID_RHOS = (0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.6, 2.0)
 
@@ -99,21 +99,6 @@ def test_staleflow_train_bound_sits_at_eta():
     assert result.staleness_mean == pytest.approx(2.0, abs=0.02)
     assert result.groups_dropped == 0
     assert result.rollout_utilization < 0.8  # admission blocks instead of dropping
-
-
-def test_staleflow_reserve_occupy_consume():
-    buffers = StaleFlowBuffers(batch_groups=2, queue_factor=1, eta=1)
-    groups = [_Group(0, 1) for _ in range(4)]
-    assert all(buffers.admit(g, 0) for g in groups)  # buffers 1, 1, 0, 0: latest first
-    assert [g.vbuf for g in groups] == [1, 1, 0, 0]
-    assert not buffers.admit(_Group(0, 1), 0)  # versions 0 and 1 are full
-    buffers.complete(groups[0], 0)  # its hole in buffer 1 takes a reservation from buffer 0
-    assert groups[0].vbuf == 0 and buffers.buffers[0].occupied == [groups[0]]
-    assert buffers.take(0) == (None, 0)  # one entry still reserved
-    buffers.complete(groups[1], 0)
-    batch, _ = buffers.take(0)
-    assert batch == [groups[0], groups[1]]
-    assert buffers.take(1) == (None, 0)
 
 
 def test_deterministic_per_seed():

@@ -37,6 +37,8 @@ RATE_WINDOW_STEPS = 64  # decode tokens/s is measured over the last this many st
 
 
 class NativeEngine(Engine):
+    keeps_kv_across_updates = True
+
     def __init__(self, model_dir: Path | str | None, engine_cfg, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, model=None) -> None:
         """model: optional weight source instead of the folder's files: a native `CausalLM`, any

@@ -1,0 +1,1 @@
+"""`colorl bench`: run colocated and bounded-lag variants of one workload side by side."""

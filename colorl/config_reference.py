@@ -1,0 +1,253 @@
+"""docs/config.md, generated from the pydantic classes of `colorl.config` so it cannot drift.
+
+    python -m colorl.config_reference            # rewrite docs/config.md
+    python -m colorl.config_reference --check    # exit 1 if docs/config.md is out of date
+
+Keys, types, defaults, ranges and allowed values come from the classes. A key's description is,
+in order: its `Field(description=...)`, the text below (`NOTES`), or the comment on the line
+that declares it in colorl/config.py — so a key someone adds later appears after a regeneration
+even if nobody writes a note for it.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from colorl import config as config_module
+from colorl.config import Config
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+
+NOTES: dict[str, str] = {
+    "run.name": "Run name; the run directory is `run.dir/run.name` unless `--run-dir` is given.",
+    "run.dir": "Parent folder of run directories.",
+    "run.seed": "Seeds the task's problem stream, sampling and initialisation; same seed, same run.",
+    "run.steps": "Optimizer steps to train (one batch of B = G·S samples each).",
+    "run.save_every": "Checkpoint every N steps (and always after the last); 0: only at the end.",
+    "run.keep_checkpoints": "Keep only the newest N checkpoints after each save; 0 keeps all.",
+    "run.eval_every": "Held-out greedy accuracy every N steps (and once before step 1); 0: never.",
+    "run.eval_prompts": "Held-out problems per evaluation (capped by the task's eval split).",
+    "run.tensorboard": "Also log every metric to `RUN_DIR/tensorboard` (needs `colorl[tensorboard]`).",
+    "model.path": "A local Hugging Face folder, a hub id already in the local cache, or an alias "
+                  "(`smollm2-135m-instruct`, `tiny-random-llama`).",
+    "model.dtype": "Dtype of the weights, the optimizer state and the engine.",
+    "model.lora": "LoRA adapters instead of full fine-tuning; null: full fine-tuning.",
+    "model.lora.r": "Adapter rank.",
+    "model.lora.alpha": "Adapter scale numerator (scale = alpha / r).",
+    "model.lora.dropout": "Dropout on the adapter input during training.",
+    "model.lora.targets": "Module names that get adapters.",
+    "model.system_prompt": "System turn put before every prompt; null: none.",
+    "task.name": "Where problems and rewards come from (docs/tasks.md).",
+    "task.path": "jsonl: the file of `{\"prompt\", \"answer\"}` lines; hf_dataset: a `save_to_disk` "
+                 "folder, a JSON/JSONL/Parquet file, or a hub id in the local cache.",
+    "task.eval_path": "Held-out problems from another file; null: a seeded slice of `task.path`.",
+    "task.reward": "Your reward `module:function` taking `(prompt, completion, answer) -> float`; "
+                   "null: the task's own reward.",
+    "task.reward_timeout_s": "Time limit per reward call; a time-out or an exception scores 0 and is counted.",
+    "task.options": "Task-specific settings, checked by the task (e.g. arithmetic `digits`).",
+    "rollout.engine": "Inference engine: `native` (paged KV, continuous batching; CPU and CUDA), "
+                      "`hf` (transformers `generate`), `sglang` (CUDA only).",
+    "rollout.group_size": "S: samples per prompt; GRPO compares them to each other.",
+    "rollout.batch_groups": "G: prompts per step over all ranks (must divide by the rank count).",
+    "rollout.max_new_tokens": "Cap on generated tokens per sample; with the longest prompt it must "
+                              "fit the model's context.",
+    "rollout.temperature": "Sampling temperature of training rollouts (evaluation is greedy).",
+    "rollout.top_p": "Nucleus sampling threshold; 1: off.",
+    "rollout.top_k": "Top-k sampling; 0: off.",
+    "rollout.concurrency": "C: sequences in flight over all ranks (each engine takes its share).",
+    "rollout.length_override": "Benchmarks only: draw each sample's length from a capped "
+                               "lognormal and ignore EOS, to match the simulator's length model.",
+    "rollout.length_override.mean": "Mean length of the lognormal before capping.",
+    "rollout.length_override.tailness": "0..100; σ = 1.3·tailness/100.",
+    "rollout.length_override.cap": "Longest sample.",
+    "train.lr": "AdamW learning rate.",
+    "train.weight_decay": "AdamW weight decay.",
+    "train.max_tokens_per_micro_batch": "Token budget of one forward/backward: sequences are packed (no "
+                                        "padding), longest first; gradients accumulate over the batch.",
+    "train.logits_chunk_tokens": "Trained positions whose [tokens, vocab] logits are computed at a time.",
+    "train.grad_clip": "Clip the global gradient norm to this value.",
+    "train.offload_optimizer": "Keep the optimizer state in host memory between steps (GPU memory saver).",
+    "train.mixed_precision": "Compute dtype of forward/backward (FSDP2 mixed precision); weights, "
+                             "optimizer state and gradient reduction stay in `model.dtype`. null: "
+                             "compute in `model.dtype`.",
+    "loss.clip_low": "ε_low: the ratio is clipped below at 1 − ε_low.",
+    "loss.clip_high": "ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher).",
+    "loss.tis_cap": "C of truncated importance sampling: w = min(π_prox/μ, C).",
+    "loss.std_norm": "Divide advantages by the group's reward std (GRPO); false: mean-centred only.",
+    "loss.kl_coef": "Weight of the k3 KL penalty to the initial policy; 0 (default) keeps no reference model.",
+    "loss.aggregation": "`token_mean` over the whole batch (default) or `seq_mean` (the paper's).",
+    "filter.zero_variance": "Drop groups whose samples all got the same reward (no GRPO signal).",
+    "mode": "`colocated` (engine and trainer take turns) or `bounded_lag` (they overlap; staleness <= η).",
+    "staleness.max": "η: no group is trained with staleness above this (bounded_lag).",
+    "staleness.buffer": "`staleflow` (reserve before admission), `queue_drop` (drop the oldest when "
+                        "full) or `queue_max` (discard groups staler than η; biased to short answers).",
+    "staleness.queue_factor": "q = Q/B: queue capacity in batches (queue_drop).",
+    "staleness.partial_rollout": "On a weight update, in-flight sequences `keep` their KV cache or "
+                                 "`recompute` it under the new weights.",
+    "sync.bucket_mb": "Size of the flat buckets the checkpoint engine all-gathers weights in.",
+    "engine.memory_fraction": "Share of device memory (CPU: available host memory) for the KV pool.",
+    "engine.block_size": "Tokens per KV-cache block (native engine).",
+    "engine.num_blocks": "Explicit KV pool size in blocks; overrides `memory_fraction`.",
+    "engine.max_num_seqs": "Most sequences one engine decodes at once (also capped by C / ranks).",
+    "engine.max_prefill_tokens": "Chunked-prefill token budget per engine step.",
+    "engine.sleep_level": "Colocated mode between rollouts: 1 frees the KV cache, 2 also the weights.",
+    "launch.nproc": "Ranks (processes) to launch; one per device. `--nproc` sets it.",
+    "launch.device": "`auto` (CUDA if present), `cpu` or `cuda`. `--device` sets it.",
+    "launch.collective_timeout_s": "A rank stuck in a collective longer than this ends the run.",
+    "launch.rollout_threads": "Bounded-lag on CPU: intra-op threads of the rollout loop; null: half the rank's cores.",
+    "launch.train_threads": "Bounded-lag on CPU: intra-op threads of the train loop; null: the rest of the rank's cores.",
+    "staleness.redundancy": "Redundant rollout (off: null): over-sample, abort the slowest; shifts lengths short.",
+    "staleness.redundancy.level": "`group`: ⌈S·ratio⌉ extra samples per group; `batch`: ⌈(G/world)·ratio⌉ extra "
+                                  "groups per version buffer (staleflow only).",
+    "staleness.redundancy.ratio": "Extra work as a fraction of S (group) or of G/world (batch).",
+}
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    key: str  # dotted, e.g. "rollout.group_size"
+    type: str
+    default: str
+    allowed: str  # range or choices; "" if any value of the type
+    description: str
+
+
+def _source_comments() -> dict[tuple[str, str], str]:
+    """(class name, field name) -> the comment on the field's line in colorl/config.py."""
+    comments: dict[tuple[str, str], str] = {}
+    for name, cls in vars(config_module).items():
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ != config_module.__name__:
+            continue
+        try:
+            lines = inspect.getsource(cls).splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
+            if match:
+                comments[(name, match.group(1))] = match.group(2).strip()
+    return comments
+
+
+def _section_class(annotation) -> type[BaseModel] | None:
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return "choice"
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(names) + (" | null" if type(None) in args else "")
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _allowed(info: FieldInfo) -> str:
+    annotation = info.annotation
+    literal = [a for a in (typing.get_args(annotation) or (annotation,)) if typing.get_origin(a) is Literal]
+    if typing.get_origin(annotation) is Literal:
+        literal = [annotation]
+    if literal:
+        return ", ".join(f"`{v}`" for v in typing.get_args(literal[0]))
+    bounds = []
+    for item in info.metadata:
+        for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            value = getattr(item, attr, None)
+            if value is not None:
+                bounds.append(f"{symbol} {value}")
+    return ", ".join(bounds)
+
+
+def _default(info: FieldInfo) -> str:
+    value = info.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def walk(model: type[BaseModel] = Config, prefix: str = "") -> list[KeyDoc]:
+    """Every key of the config, depth first, sub-sections (also optional ones like model.lora) included."""
+    comments = _source_comments()
+    docs: list[KeyDoc] = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        section = _section_class(info.annotation)
+        description = info.description or NOTES.get(key) or comments.get((model.__name__, name), "")
+        is_optional_section = section is not None and info.get_default() is None
+        if section is None or is_optional_section:
+            docs.append(KeyDoc(key, _type_name(info.annotation), _default(info), _allowed(info), description))
+        if section is not None:
+            docs.extend(walk(section, f"{key}."))
+    return docs
+
+
+def render() -> str:
+    keys = walk()
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- generated by `python -m colorl.config_reference` from colorl/config.py; do not edit by hand -->",
+        "",
+        "A run is configured by one YAML file of sections; every key can be overridden on the command line",
+        "with `--set section.key=value` (the value is parsed as YAML, so `--set 'model.lora={r: 8}'` sets a",
+        "whole section). `colorl train CONFIG --dry-run` validates a config and prints it resolved. Unknown",
+        "keys, values of the wrong type or outside the range below are refused with one line and exit code 2.",
+        "",
+        "Symbols used in the docs: C = `rollout.concurrency`, G = `rollout.batch_groups`,",
+        "S = `rollout.group_size`, B = G·S, q = `staleness.queue_factor`, η = `staleness.max`.",
+        "",
+    ]
+    current = None
+    for doc in keys:
+        top = doc.key.split(".")[0]
+        if top != current:
+            current = top
+            out += ["", f"## `{top}`", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        cells = [f"`{doc.key}`", doc.type, doc.default, doc.allowed, doc.description]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="write docs/config.md from colorl.config")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the classes")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is out of date: run `python -m colorl.config_reference`", file=sys.stderr)
+            return 1
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text, encoding="utf-8")
+    print(f"wrote {args.out} ({len(walk())} keys)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""SGLang backend (CUDA only): an in-process `sglang.Engine` per rank behind colorl's `Engine`.
+
+Written against the source of the pinned release, `SGLANG_VERSION` (tests/engines/
+test_sglang_contract.py checks every name used here against that wheel). How colorl's verbs map:
+
+    add / step     `async_generate(input_ids=..., return_logprob=True, stream=True, rid=...)` per
+                   request on the engine's own event loop; one `step()` runs that loop until at
+                   least one stream has a new chunk. Chunks are cumulative (SGLang's default
+                   streaming), so a request's final chunk holds all its ids and log-probs.
+    log-probs      `meta_info["output_token_logprobs"]`: (logprob, token id, text) per output token,
+                   taken by SGLang from the temperature-scaled distribution it sampled from (the
+                   same quantity as the native engine's), unless SGLANG_RETURN_ORIGINAL_LOGPROB
+                   is set, which this adapter refuses.
+    versions       SGLang records a weight-version change for every live request and returns
+                   `meta_info["weight_versions"]`, spans {version, start, end} over the output
+                   tokens; colorl's version v is SGLang's weight version str(v).
+    weight sync    the checkpoint engine calls `load_weights` once per bucket, then sets
+                   `version`. The first bucket opens the update (pause generation in place if
+                   requests are in flight, `begin_weight_update`); each bucket is one
+                   `update_weights_from_tensor(..., flush_cache=False)`; setting `version`
+                   closes it (`end_weight_update`, the radix cache flushed once when idle,
+                   `update_weight_version`, `continue_generation`).
+    sleep / wake   `release_memory_occupation` / `resume_memory_occupation` with tags: KV cache at
+                   level 1; KV cache, weights and CUDA graphs at level 2 (weights come back with
+                   the next sync, which must happen before `wake`).
+    abort          `tokenizer_manager.abort_request(rid=...)`; the stream then ends with a chunk
+                   whose finish reason is "abort", carrying the tokens generated so far, which
+                   `interrupt` hands back.
+
+Deviations: in-flight updates keep each running request's KV cache (PipelineRL style, pause mode
+"in_place"), and the radix prefix cache is flushed only when no request is in flight, so a new
+request may reuse prompt KV computed by the previous version until then. `stats()` counts KV
+blocks from the lengths of the requests in flight (`engine.block_size` tokens a block) against
+SGLang's pool size; SGLang's own allocator is not queried per step.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+
+SGLANG_VERSION = "0.5.23"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+RELEASE_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights", "cuda_graph")}
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def unavailable_reason() -> str | None:
+    """Why an SGLang engine cannot start on this machine, or None when it can."""
+    if not torch.cuda.is_available():
+        return "rollout.engine=sglang needs a CUDA device and none is available here"
+    if importlib.util.find_spec("sglang") is None:
+        return (f"rollout.engine=sglang: the sglang package is not installed "
+                f"(pip install 'colorl[sglang]', which pins sglang=={SGLANG_VERSION})")
+    return None
+
+
+@dataclass
+class _Live:
+    """One request in flight: its stream and the read of its next chunk."""
+
+    request: GenerationRequest
+    stream: object  # the async iterator `async_generate(stream=True)` returned
+    next: asyncio.Future
+    oldest_version: int  # the version in force when it was added (fallback stamp, see _versions)
+    tokens: int = 0  # output tokens seen so far
+    interrupted: bool = False
+
+
+async def _next_chunk(stream) -> dict | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+@dataclass
+class _Throughput:
+    tokens: int = 0
+    seconds: float = 0.0
+    finished: int = 0
+
+
+class SGLangEngine(Engine):
+    """`engine_cfg`: colorl's EngineConfig (memory_fraction -> mem_fraction_static, max_num_seqs ->
+    max_running_requests). `device`: the rank's CUDA device."""
+
+    keeps_kv_across_updates = True  # in-flight updates pause "in_place": running requests keep their KV
+
+    def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cuda", dtype: torch.dtype = torch.float32):
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs "
+                             "before temperature scaling, not those of the distribution it sampled from")
+        import sglang
+        from sglang.srt.managers import io_struct
+        from transformers import AutoConfig
+
+        from colorl.models import meta_model
+
+        self._io = io_struct
+        self._version = 0
+        self._block_size = engine_cfg.block_size
+        gpu = torch.cuda.current_device() if torch.device(device).type == "cuda" else 0
+        self._engine = sglang.Engine(
+            model_path=str(model_dir), dtype=DTYPE_NAMES[dtype], skip_tokenizer_init=True,
+            mem_fraction_static=engine_cfg.memory_fraction, max_running_requests=engine_cfg.max_num_seqs,
+            enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
+        )
+        self._loop = self._engine.loop
+        self._tm = self._engine.tokenizer_manager
+        self._kv_tokens_total = int(self._engine.get_server_info()["max_total_num_tokens"])
+        model = meta_model(AutoConfig.from_pretrained(model_dir), dtype)
+        self._weights = dict(model.named_parameters())
+        self._live: dict[str, _Live] = {}
+        self._released: set[str] = set()
+        self._updating = False
+        self._paused = False
+        self._rate = _Throughput()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        # loads that set no version (the checkpoint engine's start-up load of LoRA base weights)
+        # leave the update open until here
+        self._close_session()
+        self._resume()
+        p = request.params
+        params = {"temperature": p.temperature, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
+                  "max_new_tokens": p.max_new_tokens - len(request.output_ids),
+                  "stop_token_ids": list(p.stop_token_ids)}
+        if p.top_k > 0:
+            params["top_k"] = p.top_k
+        if p.seed is not None:  # SGLang uses it only with enable_deterministic_inference
+            params["sampling_seed"] = p.seed
+        stream = self._loop.run_until_complete(self._engine.async_generate(
+            input_ids=list(request.prompt_ids) + list(request.output_ids), sampling_params=params,
+            return_logprob=True, stream=True, rid=request.request_id))
+        self._live[request.request_id] = _Live(request, stream, self._arm(stream), self._version)
+
+    def _arm(self, stream) -> asyncio.Future:
+        return asyncio.ensure_future(_next_chunk(stream), loop=self._loop)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[GenerationResult]:
+        """Run the engine's loop until some stream has a new chunk; return the requests that finished."""
+        return self._advance(list(self._live.values()))
+
+    def _advance(self, lives: list[_Live]) -> list[GenerationResult]:
+        if not lives:
+            return []
+        start = time.perf_counter()
+        self._loop.run_until_complete(asyncio.wait([live.next for live in lives],
+                                                   return_when=asyncio.FIRST_COMPLETED))
+        finished, new_tokens = [], 0
+        for live in lives:
+            if not live.next.done():
+                continue
+            chunk = live.next.result()
+            if chunk is None or chunk["meta_info"]["finish_reason"] is not None:
+                finished.append(self._finish(live, chunk))
+                continue
+            new_tokens += len(chunk["output_ids"]) - live.tokens
+            live.tokens = len(chunk["output_ids"])
+            live.next = self._arm(live.stream)
+        self._rate.tokens += new_tokens
+        self._rate.seconds += time.perf_counter() - start
+        return finished
+
+    def _finish(self, live: _Live, chunk: dict | None) -> GenerationResult:
+        rid = live.request.request_id
+        del self._live[rid]
+        self._rate.finished += 1
+        if chunk is None:
+            raise RuntimeError(f"sglang: the stream of request {rid} ended without a finished chunk")
+        meta = chunk["meta_info"]
+        ids = list(chunk["output_ids"])
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"sglang: request {rid} returned {len(ids)} tokens but {len(logprobs)} log-probs")
+        reason = FINISH_REASONS[meta["finish_reason"]["type"]]
+        if reason == "abort" and live.interrupted:
+            reason = "interrupt"
+        req = live.request
+        return GenerationResult(rid, list(req.prompt_ids), list(req.output_ids) + ids,
+                                list(req.output_logprobs) + logprobs,
+                                list(req.output_versions) + _versions(meta, len(ids), live.oldest_version), reason)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.interrupt(request_ids)
+
+    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+        """Abort in SGLang and wait for each stream's last chunk: the tokens generated so far
+        (finish reason "interrupt"; a request that finished first keeps its own reason)."""
+        stopping = [self._live[rid] for rid in list(request_ids) if rid in self._live]
+        for live in stopping:
+            live.interrupted = True
+            self._tm.abort_request(rid=live.request.request_id)
+        results: list[GenerationResult] = []
+        while pending := [live for live in stopping if live.request.request_id in self._live]:
+            results.extend(self._advance(pending))
+        return results
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """Meta tensors with SGLang's checkpoint names (those of the HF model): only whole tensors
+        can be loaded, through `update_weights_from_tensor`."""
+        return self._weights
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of (HF name, full tensor); the first of a sync opens the update."""
+        pairs = list(named_tensors)
+        if not pairs:
+            return
+        if not self._updating:
+            self._begin_update()
+        ok, message = self._engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=False)
+        if not ok:
+            raise RuntimeError(f"sglang update_weights_from_tensor failed: {message}")
+
+    def _begin_update(self) -> None:
+        if "weights" in self._released:  # sleep level 2: the weights' memory comes back for the load
+            self._engine.resume_memory_occupation(tags=["weights"])
+            self._released.discard("weights")
+        if self._live:
+            self._run(self._tm.pause_generation(self._io.PauseGenerationReqInput(mode="in_place")))
+            self._paused = True
+        ok, message = self._engine.begin_weight_update()
+        if not ok:
+            raise RuntimeError(f"sglang begin_weight_update failed: {message}")
+        self._updating = True
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        """The checkpoint engine sets the version after the last bucket: close the update there."""
+        self._close_session()
+        if value != self._version:
+            self._run(self._tm.update_weight_version(
+                self._io.UpdateWeightVersionReqInput(new_version=str(value), abort_all_requests=False)))
+        self._version = value
+        self._resume()
+
+    def _close_session(self) -> None:
+        if self._updating:
+            ok, message = self._engine.end_weight_update()
+            if not ok:
+                raise RuntimeError(f"sglang end_weight_update failed: {message}")
+            self._updating = False
+            if not self._live and "kv_cache" not in self._released:
+                self._engine.flush_cache()  # prefixes cached under the old weights
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._run(self._tm.continue_generation(self._io.ContinueGenerationReqInput()))
+            self._paused = False
+
+    def _run(self, coroutine):
+        return self._loop.run_until_complete(coroutine)
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        if self._live:
+            raise RuntimeError(f"sglang engine: sleep with {len(self._live)} requests in flight")
+        tags = [tag for tag in RELEASE_TAGS[level] if tag not in self._released]
+        if tags:
+            self._engine.release_memory_occupation(tags=tags)
+            self._released.update(tags)
+
+    def wake(self) -> None:
+        if "weights" in self._released:
+            raise RuntimeError("sglang engine: woken at sleep level 2 before a weight sync reloaded its weights")
+        if self._released:
+            self._engine.resume_memory_occupation(tags=sorted(self._released))
+            self._released.clear()
+
+    def stats(self) -> EngineStats:
+        blocks = sum(-(-(len(l.request.prompt_ids) + len(l.request.output_ids) + l.tokens) // self._block_size)
+                     for l in self._live.values())
+        rate = self._rate.tokens / self._rate.seconds if self._rate.seconds else 0.0
+        return EngineStats(running=len(self._live), waiting=0, finished=self._rate.finished,
+                           kv_blocks_used=blocks, kv_blocks_total=self._kv_tokens_total // self._block_size,
+                           decode_tokens_per_s=rate)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+def _versions(meta: Mapping, count: int, fallback: int) -> list[int]:
+    """Per-token versions from SGLang's weight-version spans. Without spans (a reply that
+    carries none) every token gets the oldest version in force while the request lived, so a
+    trajectory's staleness is never understated."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [fallback] * count
+    versions = [fallback] * count
+    for span in spans:
+        for i in range(span["start"], min(span["end"], count)):
+            versions[i] = int(span["version"])
+    return versions

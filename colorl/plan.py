@@ -1,0 +1,400 @@
+"""`colorl plan`: the memory one device needs for a run, per phase, before anything starts.
+
+Per device (one rank, `launch.nproc` ranks), in bytes:
+- trainer weights, gradients and AdamW state (exp_avg, exp_avg_sq), FSDP2-sharded over the ranks;
+  gradients and optimizer state only for the trainable parameters (LoRA: the adapters);
+- FSDP2's unsharded layer during forward/backward: the current and the prefetched decoder
+  layer in the compute dtype, plus one layer's gradient in float32 for the reduce-scatter;
+- activations kept for backward for one micro-batch at the longest sequence (longest prompt +
+  `rollout.max_new_tokens`), no activation checkpointing, per token (b = compute dtype bytes):
+      per layer  2·norm + 4b·hidden + 4b·intermediate   (attention: rotated q, GQA-expanded k
+                 and v, output; MLP: gate, up, act(gate), act(gate)·up)
+      norm       8·hidden, + 2b·hidden below float32 (HF RMSNorm keeps its input and a float32
+                 normalised copy; in bf16 also the float32 cast and the cast back)
+      once       norm + b·hidden (embedding output, final norm) + (b + 16)·vocab (colorl's
+                 log-prob pass: logits, their float32 copy at the temperature, and the
+                 entropy's softmax and product, alive together)
+  Checked against a measured CPU training step (tests/test_plan.py): per-layer slope within 1%,
+  total within 10%;
+- the engine: full weights (tensor-parallel size 1) and the KV pool. Both SGLang
+  (`mem_fraction_static`) and the native engine size their pool so that everything resident on
+  the device when the engine starts (trainer weights, engine weights) plus the KV pool is
+  `engine.memory_fraction` of the device: KV = fraction·M − trainer weights − engine weights
+  (the native engine: never more than its sequences can fill, or `engine.num_blocks` when set);
+- with LoRA the checkpoint engine's copies of the adapted base weights (W0), and two sync
+  buckets of `sync.bucket_mb` while weights travel;
+- on CUDA a reserve for the context, NCCL and allocator slack (and SGLang's scheduler process).
+On CPU the "device" is this host's available memory shared by the ranks.
+
+Phases (colocated mode; bounded-lag keeps the engine awake while training):
+    rollout  weights + optimizer (unless offloaded) + engine static pool
+    train    weights + gradients + optimizer + activations + unsharded layers + engine weights
+             (sleep level 1; released at level 2) [+ KV cache in bounded-lag mode]
+    sync     weights + optimizer (unless offloaded) + engine weights + buckets
+The run fits when the largest phase fits the device; when it does not, the plan names the one
+knob that makes it fit, if one does.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+RESERVE_BYTES = 1 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
+SGLANG_RESERVE_BYTES = 1 * GiB  # SGLang's scheduler process: its own context and CUDA graphs
+ASSUMED_GPU_BYTES = 80 * GiB
+ASSUMED_PROMPT_TOKENS = 256
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+UNITS = {"": GiB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    """Bad input for a plan; one line for the terminal."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the arithmetic needs from a model config, counted on the `meta` device."""
+
+    params: int
+    layer_params: int  # one decoder layer
+    lora_params: int  # adapters for the configured targets (0 without LoRA)
+    adapted_params: int  # base weights the adapters modify (W0 copies)
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_dim: int  # num_key_value_heads · head_dim
+    vocab: int
+    max_positions: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config, lora_targets: list[str] | None = None, lora_r: int = 0) -> "Architecture":
+        from colorl.models import meta_model
+        from colorl.train.fsdp import decoder_layers
+
+        model = meta_model(hf_config)
+        lora = adapted = 0
+        for name, module in model.named_modules():
+            if lora_targets and isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
+                lora += lora_r * (module.in_features + module.out_features)
+                adapted += module.weight.numel()
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            layer_params=sum(p.numel() for p in decoder_layers(model)[0].parameters()),
+            lora_params=lora, adapted_params=adapted, layers=hf_config.num_hidden_layers,
+            hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
+            kv_dim=kv_heads * head_dim, vocab=hf_config.vocab_size,
+            max_positions=hf_config.max_position_embeddings,
+        )
+
+    def activation_bytes_per_token(self, b: int) -> int:
+        norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
+        # + b * hidden: the packed (varlen) attention concatenates its per-sequence outputs
+        per_layer = 2 * norm + 5 * b * self.hidden + 4 * b * self.intermediate
+        return self.layers * per_layer + norm + b * self.hidden + (b + 16) * self.vocab
+
+    def kv_bytes_per_token(self, b: int) -> int:
+        return 2 * self.layers * self.kv_dim * b
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: tuple[str, ...]  # names of the lines alive in this phase
+
+
+@dataclass
+class MemoryPlan:
+    device_bytes: int
+    lines: dict[str, Line]
+    phases: list[Phase]
+    kv_tokens: int
+    kv_tokens_wanted: int
+    notes: list[str]
+    advice: str = ""
+
+    def phase_bytes(self, phase: Phase) -> int:
+        return sum(self.lines[name].bytes for name in phase.parts)
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=self.phase_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_tokens > 0 and self.phase_bytes(self.peak) <= self.device_bytes
+
+    def verdict(self) -> str:
+        peak = self.peak
+        if self.kv_tokens <= 0:
+            head = (f"does not fit: engine.memory_fraction leaves no KV cache "
+                    f"({_gib(self.lines['engine KV cache'].bytes)} after the weights resident at engine start)")
+        elif self.fits:
+            return (f"fits: the {peak.name} phase needs {_gib(self.phase_bytes(peak))} of "
+                    f"{_gib(self.device_bytes)} per device")
+        else:
+            head = (f"does not fit: the {peak.name} phase needs {_gib(self.phase_bytes(peak))} of "
+                    f"{_gib(self.device_bytes)} per device")
+        return f"{head}; {self.advice}" if self.advice else head
+
+    def render(self) -> str:
+        width = max(len(name) for name in self.lines)
+        rows = [f"memory per device ({_gib(self.device_bytes)}):"]
+        for line in self.lines.values():
+            if line.bytes == 0:
+                continue
+            rows.append(f"  {line.name:<{width}}  {_gib(line.bytes):>10}  {line.note}".rstrip())
+        rows.append("phases:")
+        for phase in self.phases:
+            rows.append(f"  {phase.name:<8} {_gib(self.phase_bytes(phase)):>10}")
+        rows += [f"note: {note}" for note in self.notes]
+        rows.append(self.verdict())
+        return "\n".join(rows)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) -> MemoryPlan:
+    """The arithmetic of the module docstring for one config; no advice (see `plan_with_advice`)."""
+    world = cfg.launch.nproc
+    w = DTYPE_BYTES[cfg.model.dtype]
+    b = DTYPE_BYTES[cfg.train.mixed_precision] if cfg.train.mixed_precision else w
+    lora = cfg.model.lora is not None
+    trainable = arch.lora_params if lora else arch.params
+    a = 4 if lora else w  # peft keeps adapters in float32 over a 16-bit base
+    trainer_params = arch.params + arch.lora_params
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    per_rank_concurrency = min(cfg.engine.max_num_seqs, -(-cfg.rollout.concurrency // world))
+    weights = -(-(arch.params * w + arch.lora_params * 4) // world)
+    reference = weights if cfg.loss.kl_coef > 0 and not lora else 0
+    engine_weights = arch.params * w
+    if cfg.engine.num_blocks and cfg.rollout.engine == "native":
+        kv = cfg.engine.num_blocks * cfg.engine.block_size * arch.kv_bytes_per_token(w)
+        kv_note = f"engine.num_blocks={cfg.engine.num_blocks}"
+    else:
+        kv = int(cfg.engine.memory_fraction * device_bytes) - weights - reference - engine_weights
+        kv_note = f"engine.memory_fraction={cfg.engine.memory_fraction} of the device, less the weights"
+    if cfg.rollout.engine == "native":  # the native engine never allocates more than its sequences can use
+        cap = per_rank_concurrency * arch.max_positions * arch.kv_bytes_per_token(w)
+        kv = min(kv, cap) if kv > 0 else kv
+    kv_tokens = kv // arch.kv_bytes_per_token(w)
+    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
+    reserve = 0 if on_cpu else RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
+    offload = cfg.train.offload_optimizer
+    micro_tokens = max(cfg.train.max_tokens_per_micro_batch, seq)  # a micro-batch packs whole sequences
+    lines = [
+        Line("trainer weights", weights, f"{_count(trainer_params)} params x {w} B / {world} ranks"),
+        Line("reference model", reference, "loss.kl_coef > 0" if reference else ""),
+        Line("gradients", -(-trainable * a // world), f"{_count(trainable)} trainable x {a} B / {world} ranks"),
+        Line("optimizer state", -(-2 * trainable * a // world),
+             "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
+        Line("activations", micro_tokens * arch.activation_bytes_per_token(b),
+             f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} "
+             f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"),
+        Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
+             "FSDP2: current + prefetched layer, fp32 grad"),
+        Line("engine weights", engine_weights, "tensor-parallel size 1"),
+        Line("engine KV cache", kv, f"{kv_note}: {max(kv_tokens, 0):,} tokens"),
+        Line("LoRA W0 copies", arch.adapted_params * w if lora else 0, "checkpoint engine, for merging"),
+        Line("sync buckets", int(2 * cfg.sync.bucket_mb * 2**20) if world > 1 else 0, "two of sync.bucket_mb"),
+        Line("reserve", reserve, "CUDA context, NCCL, allocator" + (", SGLang's process" if reserve > RESERVE_BYTES else "")),
+    ]
+    always = ("trainer weights", "reference model", "LoRA W0 copies", "reserve")
+    optimizer = () if offload else ("optimizer state",)
+    train = always + ("gradients", "optimizer state", "activations", "unsharded layers")
+    if cfg.mode == "bounded_lag":
+        train += ("engine weights", "engine KV cache")
+    elif cfg.engine.sleep_level == 1:
+        train += ("engine weights",)
+    phases = [Phase("rollout", always + optimizer + ("engine weights", "engine KV cache")),
+              Phase("train", train),
+              Phase("sync", always + optimizer + ("engine weights", "sync buckets"))]
+    wanted = per_rank_concurrency * seq
+    notes = []
+    if 0 < kv_tokens < wanted:
+        notes.append(f"the KV cache holds {kv_tokens:,} tokens but {per_rank_concurrency} sequences of up to {seq} "
+                     f"want {wanted:,}: the engine will queue or preempt (raise engine.memory_fraction or lower "
+                     f"rollout.concurrency)")
+    notes.append(f"longest sequence: {prompt_tokens} prompt + {cfg.rollout.max_new_tokens} new tokens")
+    return MemoryPlan(device_bytes, {line.name: line for line in lines}, phases, kv_tokens, wanted, notes)
+
+
+def _with(cfg, section: str, **values):
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=values)})
+
+
+def knobs(cfg):
+    """Single changes that lower the peak, most specific first: (description, changed config)."""
+    candidates = []
+    budget = cfg.train.max_tokens_per_micro_batch
+    while budget > 256:
+        budget //= 2
+        candidates.append((f"train.max_tokens_per_micro_batch={budget}",
+                           _with(cfg, "train", max_tokens_per_micro_batch=budget)))
+    if not cfg.train.offload_optimizer:
+        candidates.append(("train.offload_optimizer=true", _with(cfg, "train", offload_optimizer=True)))
+    if cfg.engine.sleep_level == 1 and cfg.mode == "colocated":
+        candidates.append(("engine.sleep_level=2", _with(cfg, "engine", sleep_level=2)))
+    for fraction in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+        if fraction != cfg.engine.memory_fraction:
+            candidates.append((f"engine.memory_fraction={fraction}", _with(cfg, "engine", memory_fraction=fraction)))
+    nproc = cfg.launch.nproc
+    while nproc < 64:
+        nproc *= 2
+        groups = cfg.rollout.batch_groups if cfg.rollout.batch_groups % nproc == 0 else nproc
+        changed = _with(_with(cfg, "launch", nproc=nproc), "rollout", batch_groups=groups)
+        candidates.append((f"launch.nproc={nproc}" + ("" if groups == cfg.rollout.batch_groups
+                                                      else f" with rollout.batch_groups={groups}"), changed))
+    return candidates
+
+
+def plan_with_advice(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) -> MemoryPlan:
+    plan = plan_memory(cfg, arch, device_bytes, prompt_tokens)
+    if plan.fits:
+        return plan
+    for description, changed in knobs(cfg):
+        other = plan_memory(changed, arch, device_bytes, prompt_tokens)
+        if other.fits:
+            plan.advice = (f"set {description} (then the {other.peak.name} phase needs "
+                           f"{_gib(other.phase_bytes(other.peak))})")
+            return plan
+    plan.advice = "no single knob makes it fit: combine them, use LoRA (model.lora) or a larger device"
+    return plan
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise PlanError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 40GB or 24")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def device_memory(cfg, requested: str | None) -> tuple[int, str]:
+    """Bytes per device, and where the figure comes from."""
+    if requested is not None:
+        return parse_size(requested), "--gpu-memory"
+    if cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available()):
+        from colorl.engines.native.model_runner import _host_available_bytes
+
+        return _host_available_bytes() // cfg.launch.nproc, "available host memory / launch.nproc"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, f"{torch.cuda.get_device_name(0)}"
+    return ASSUMED_GPU_BYTES, "assumed (no CUDA device here; pass --gpu-memory)"
+
+
+def longest_prompt(cfg, tokenizer, samples: int = 64) -> int:
+    from colorl.models import encode_chat
+    from colorl.tasks import build_task
+
+    task = build_task(cfg.task, cfg.run.seed)
+    return max(len(encode_chat(tokenizer, task.train_problem(i).prompt, cfg.model.system_prompt))
+               for i in range(samples))
+
+
+def architecture_for(cfg, model_config: str | None):
+    """(Architecture, model folder or None). `model_config`: a config.json to use instead of model.path."""
+    from transformers import AutoConfig
+
+    from colorl.models import ModelNotFound, resolve_model_path
+
+    folder = None
+    if model_config is not None:
+        path = Path(model_config)
+        if not path.is_file():
+            raise PlanError(f"--model-config {model_config!r}: file not found")
+        hf_config = AutoConfig.from_pretrained(path)
+    else:
+        try:
+            folder = resolve_model_path(cfg.model.path)
+        except ModelNotFound as exc:
+            raise PlanError(f"{exc} (or pass --model-config with the model's config.json)") from None
+        hf_config = AutoConfig.from_pretrained(folder)
+    lora = cfg.model.lora
+    arch = Architecture.from_hf_config(hf_config, lora.targets if lora else None, lora.r if lora else 0)
+    return arch, folder
+
+
+def plan_for_run(cfg, model_dir: Path, device_bytes: int) -> MemoryPlan:
+    """The check `colorl train` runs on CUDA before launching."""
+    from transformers import AutoConfig
+
+    from colorl.models import load_tokenizer
+
+    lora = cfg.model.lora
+    arch = Architecture.from_hf_config(AutoConfig.from_pretrained(model_dir), lora.targets if lora else None,
+                                       lora.r if lora else 0)
+    return plan_with_advice(cfg, arch, device_bytes, longest_prompt(cfg, load_tokenizer(model_dir)))
+
+
+# -- command ---------------------------------------------------------------------------------------
+
+def cmd_plan(args) -> int:
+    from colorl.cli import fail
+    from colorl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, list(args.set or []))
+        memory, source = device_memory(cfg, args.gpu_memory)
+        arch, folder = architecture_for(cfg, args.model_config)
+        if args.prompt_tokens is not None:
+            prompt, prompt_source = args.prompt_tokens, "--prompt-tokens"
+        elif folder is not None:
+            from colorl.models import load_tokenizer
+
+            prompt, prompt_source = longest_prompt(cfg, load_tokenizer(folder)), "longest of 64 task prompts"
+        else:
+            prompt, prompt_source = ASSUMED_PROMPT_TOKENS, "assumed (no tokenizer here; --prompt-tokens to change)"
+    except (ConfigError, PlanError, ValueError) as exc:
+        return fail(str(exc))
+    plan = plan_with_advice(cfg, arch, memory, prompt)
+    print(f"# {args.config}: {cfg.launch.nproc} x {cfg.launch.device}, {cfg.mode}, engine {cfg.rollout.engine}")
+    print(f"# device memory: {source}; prompt length: {prompt_source}")
+    engine_note = engine_check_note(cfg)
+    if engine_note:
+        print(f"# {engine_note}")
+    print(plan.render())
+    return 0 if plan.fits else 1
+
+
+def engine_check_note(cfg) -> str | None:
+    """For --dry-run and plan: a config naming SGLang validates anywhere, the engine only where it runs."""
+    if cfg.rollout.engine != "sglang":
+        return None
+    from colorl.engines.sglang import unavailable_reason
+
+    reason = unavailable_reason()
+    return f"the SGLang engine itself could not be checked on this machine: {reason}" if reason else None
+
+
+def add_plan_parser(sub) -> None:
+    parser = sub.add_parser("plan", help="memory per device before launch, and whether the run fits")
+    parser.add_argument("config")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="memory of one device, e.g. 80GiB (default: this GPU)")
+    parser.add_argument("--model-config", metavar="CONFIG_JSON", help="the model's config.json, when model.path "
+                                                                      "is not available on this machine")
+    parser.add_argument("--prompt-tokens", type=int, metavar="N", help="longest prompt (default: measured)")
+    parser.set_defaults(func=cmd_plan)
+

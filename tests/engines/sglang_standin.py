@@ -1,0 +1,238 @@
+"""A recording stand-in for the `sglang` package, on CPU, for driving colorl's SGLang adapter.
+
+It speaks sglang==0.5.23's call signatures and result format: every method and keyword here has
+the name it has in that wheel (test_sglang_contract.py checks this file's signatures against the
+wheel's source), and the chunks have the wheel's shape: cumulative `output_ids`, `meta_info` with
+`finish_reason` ({"type": "stop"|"length"|"abort", ...} or None), `completion_tokens`,
+`output_token_logprobs` [(logprob, token id, None)] and, on the last chunk, `weight_versions`
+spans. Behind it runs a real tiny Hugging Face model, so a weight update changes what is sampled
+and the log-probs can be checked against the model. Semantics it enforces like SGLang does:
+`update_weights_from_tensor` only inside begin/end_weight_update and, with requests in flight,
+only while generation is paused; releasing memory only when idle; released weights lose their
+contents (NaN) until loaded again; no generation while the KV cache is released.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from colorl.models import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- sglang.srt.managers.io_struct (field names and defaults as in the wheel) --------------------
+
+@dataclass(kw_only=True)
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+
+@dataclass(kw_only=True)
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass(kw_only=True)
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class _Req:
+    rid: str
+    input_ids: list[int]
+    params: dict
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    events: list[tuple[str, int]] = field(default_factory=list)  # (old version, tokens then)
+    aborted: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.rid_to_state: dict[str, _Req] = {}
+        self.is_pause = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        self.engine.calls.append(("abort_request", rid))
+        state = self.rid_to_state.get(rid)
+        if state is not None:
+            state.aborted = True
+
+    async def pause_generation(self, obj: PauseGenerationReqInput):
+        assert obj.mode in ("abort", "retract", "in_place"), obj.mode
+        self.engine.calls.append(("pause_generation", obj.mode))
+        self.is_pause = True
+        self._resumed.clear()
+
+    async def continue_generation(self, obj: ContinueGenerationReqInput):
+        self.engine.calls.append(("continue_generation",))
+        self.is_pause = False
+        self._resumed.set()
+
+    async def update_weight_version(self, obj: UpdateWeightVersionReqInput) -> None:
+        self.engine.calls.append(("update_weight_version", obj.new_version, obj.abort_all_requests))
+        old = self.engine.weight_version
+        if obj.new_version == old:
+            return
+        for state in self.rid_to_state.values():  # as the scheduler's record_weight_version_events
+            if state.output_ids:
+                state.events.append((old, len(state.output_ids)))
+        self.engine.weight_version = obj.new_version
+
+
+class Engine:
+    """sglang.Engine: `Engine(**server_args)`, an event loop `loop` and a `tokenizer_manager`."""
+
+    instances: list["Engine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple] = []
+        self.model = load_model(Path(kwargs["model_path"]), DTYPES[kwargs.get("dtype", "float32")]).eval()
+        self.weight_version = kwargs.get("weight_version", "default")
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = TokenizerManager(self)
+        self.released: set[str] = set()
+        self.session_open = False
+        Engine.instances.append(self)
+
+    def get_server_info(self):
+        return {"max_total_num_tokens": 4096, "weight_version": self.weight_version}
+
+    # -- generation
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             stream=False, rid=None):
+        assert prompt is None and stream and return_logprob, "colorl asks for ids, streamed, with log-probs"
+        self.calls.append(("async_generate", rid))
+        state = _Req(rid, list(input_ids), dict(sampling_params))
+        self.tokenizer_manager.rid_to_state[rid] = state
+        return self._stream(state)
+
+    async def _stream(self, state: _Req):
+        tm = self.tokenizer_manager
+        params = state.params
+        gen = torch.Generator().manual_seed(params.get("sampling_seed", 0))
+        while True:
+            await tm._resumed.wait()
+            if state.aborted:
+                yield self._chunk(state, {"type": "abort", "message": "Abort in waiting queue"})
+                break
+            assert "kv_cache" not in self.released, "generation while the KV cache is released"
+            with torch.no_grad():
+                logits = self.model(torch.tensor([state.input_ids + state.output_ids])).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits / params["temperature"], dim=-1)
+            token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+            state.output_ids.append(token)
+            state.logprobs.append(float(logprobs[token]))
+            finish = None
+            if token in params.get("stop_token_ids", []) and not params.get("ignore_eos"):
+                finish = {"type": "stop", "matched": token}
+            elif len(state.output_ids) >= params["max_new_tokens"]:
+                finish = {"type": "length", "length": params["max_new_tokens"]}
+            yield self._chunk(state, finish)
+            if finish is not None:
+                break
+            await asyncio.sleep(0)
+        del tm.rid_to_state[state.rid]
+
+    def _chunk(self, state: _Req, finish: dict | None) -> dict:
+        meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(state.input_ids),
+                "weight_version": self.weight_version, "completion_tokens": len(state.output_ids),
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(state.logprobs, state.output_ids)]}
+        if finish is not None:
+            meta["weight_versions"] = _spans(state.events, self.weight_version, len(state.output_ids))
+        return {"output_ids": state.output_ids, "meta_info": meta}
+
+    # -- weights
+    def begin_weight_update(self, selector: str = "all"):
+        self.calls.append(("begin_weight_update",))
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update",))
+        self.session_open = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update_weights_from_tensor", [name for name, _ in named_tensors], flush_cache))
+        if not self.session_open:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        busy = any(not s.aborted for s in self.tokenizer_manager.rid_to_state.values())
+        assert not busy or self.tokenizer_manager.is_pause, "would wait for the requests in flight (writer lock)"
+        assert "weights" not in self.released, "weights loaded into released memory"
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        return True, "Success"
+
+    def flush_cache(self):
+        idle = not self.tokenizer_manager.rid_to_state
+        self.calls.append(("flush_cache", idle))
+        return FlushCacheReqOutput(success=idle)
+
+    # -- memory
+    def release_memory_occupation(self, tags=None):
+        assert not self.tokenizer_manager.rid_to_state, "release_memory_occupation should be called only when idle"
+        self.calls.append(("release_memory_occupation", tuple(tags)))
+        self.released.update(tags)
+        if "weights" in tags:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.fill_(float("nan"))
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume_memory_occupation", tuple(tags)))
+        self.released.difference_update(tags)
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+        self.loop.close()
+
+
+def _spans(events: list[tuple[str, int]], current: str, count: int) -> list[dict]:
+    """sglang.srt.utils.weight_versions: spans from the recorded version changes."""
+    spans: list[dict] = []
+    for version, end in events + [(current, count)]:
+        end = min(end, count)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+def install(monkeypatch) -> None:
+    """Put the stand-in where `import sglang` and its io_struct import find it."""
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput, FlushCacheReqOutput):
+        setattr(io_struct, cls.__name__, cls)
+    package = types.ModuleType("sglang")
+    package.Engine = Engine
+    package.__version__ = "0.5.23"
+    srt, managers = types.ModuleType("sglang.srt"), types.ModuleType("sglang.srt.managers")
+    package.srt, srt.managers, managers.io_struct = srt, managers, io_struct
+    for name, module in (("sglang", package), ("sglang.srt", srt), ("sglang.srt.managers", managers),
+                         ("sglang.srt.managers.io_struct", io_struct)):
+        monkeypatch.setitem(sys.modules, name, module)
+    Engine.instances.clear()

@@ -1,0 +1,203 @@
+"""colorl's SGLang adapter driven end to end on CPU against a recording stand-in of the package.
+
+The stand-in (tests/engines/sglang_standin.py) has sglang 0.5.23's signatures and result format
+(checked against the wheel by test_sglang_contract.py) and a real tiny model behind it, so these
+tests check what the adapter asks of SGLang, in which order, and what it makes of the answers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colorl.config import EngineConfig, SyncConfig
+from colorl.engines import build_engine
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.models import load_model, save_tiny_model
+from colorl.sync import CheckpointEngine
+
+_spec = importlib.util.spec_from_file_location("sglang_standin", Path(__file__).parent / "sglang_standin.py")
+standin = sys.modules.setdefault("sglang_standin", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(standin)
+
+PARAMS = SamplingParams(temperature=0.8, max_new_tokens=6, seed=3)
+LONG = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=5)
+SMALL_BUCKETS = SyncConfig(bucket_mb=0.02)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("sgl-llama"), initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The 'trainer': the same architecture with other weights (what a sync must deliver)."""
+    return load_model(save_tiny_model(tmp_path_factory.mktemp("sgl-llama-2"), seed=1, initializer_range=0.3)).eval()
+
+
+@pytest.fixture
+def engine(model_dir, monkeypatch):
+    standin.install(monkeypatch)
+    built = build_engine("sglang", model_dir, EngineConfig(memory_fraction=0.4, max_num_seqs=8), "cpu", torch.float32)
+    yield built
+    built.shutdown()
+
+
+def fake(engine) -> "standin.Engine":
+    return standin.Engine.instances[-1]
+
+
+def names(calls) -> list[str]:
+    return [call[0] for call in calls]
+
+
+def request(rid: str, params=PARAMS, prompt=(5, 6, 7, 8)) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt), params)
+
+
+def reference_logprobs(model, prompt, output, temperature) -> list[float]:
+    """log p(token | prefix) at the sampling temperature, from the model itself."""
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def test_engine_is_started_with_colorls_memory_settings(engine, model_dir):
+    kwargs = fake(engine).kwargs
+    assert kwargs["model_path"] == str(model_dir)
+    assert kwargs["mem_fraction_static"] == 0.4 and kwargs["max_running_requests"] == 8
+    assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"]
+    assert kwargs["weight_version"] == "0" and kwargs["dtype"] == "float32"
+    assert engine.keeps_kv_across_updates
+
+
+def test_generate_returns_ids_logprobs_and_versions(engine, model_dir):
+    results = engine.generate([request(f"r{i}", prompt=(5 + i, 6, 7)) for i in range(3)])
+    model = load_model(model_dir).eval()
+    for i, result in enumerate(results):
+        assert result.request_id == f"r{i}" and result.finish_reason in ("stop", "length")
+        assert 1 <= len(result.output_ids) <= PARAMS.max_new_tokens
+        assert result.logprobs == pytest.approx(reference_logprobs(model, result.prompt_ids, result.output_ids, 0.8),
+                                                abs=1e-5)
+        assert result.versions == [0] * len(result.output_ids)
+    assert names(fake(engine).calls).count("async_generate") == 3
+
+
+def test_sync_goes_bucket_by_bucket_and_ends_bit_for_bit(engine, trained):
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
+    fake(engine).calls.clear()
+    sync.sync(engine, 1)
+    calls = fake(engine).calls
+    updates = [c for c in calls if c[0] == "update_weights_from_tensor"]
+    assert 1 < len(updates) <= len(sync.buckets)  # one call per bucket that completes a tensor
+    loaded_names = [name for _, batch, _ in updates for name in batch]
+    assert sorted(loaded_names) == sorted(n for n, _ in trained.named_parameters())  # each exactly once
+    assert all(flush is False for *_, flush in updates)  # flushed once, after the last bucket
+    assert names(calls) == (["begin_weight_update"] + ["update_weights_from_tensor"] * len(updates)
+                            + ["end_weight_update", "flush_cache", "update_weight_version"])
+    loaded = dict(fake(engine).model.named_parameters())
+    for name, p in trained.named_parameters():
+        assert torch.equal(loaded[name], p), name
+    assert engine.version == 1
+    result = engine.generate([request("after")])[0]
+    assert result.versions == [1] * len(result.output_ids)
+    assert result.logprobs == pytest.approx(reference_logprobs(trained, result.prompt_ids, result.output_ids, 0.8),
+                                            abs=1e-5)
+
+
+def test_sleep_levels_release_and_resume_by_tag(engine, trained):
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
+    engine.sleep(1)
+    engine.wake()
+    assert fake(engine).calls[-2:] == [("release_memory_occupation", ("kv_cache",)),
+                                       ("resume_memory_occupation", ("kv_cache",))]
+    engine.sleep(2)
+    assert fake(engine).calls[-1] == ("release_memory_occupation", ("kv_cache", "weights", "cuda_graph"))
+    with pytest.raises(RuntimeError, match="before a weight sync"):
+        engine.wake()
+    sync.sync(engine, 2)  # the weights' memory comes back for the load, then the rest on wake
+    engine.wake()
+    calls = fake(engine).calls
+    assert ("resume_memory_occupation", ("weights",)) in calls
+    assert calls[-1] == ("resume_memory_occupation", ("cuda_graph", "kv_cache"))
+    assert "flush_cache" not in names(calls[calls.index(("resume_memory_occupation", ("weights",))):])
+    result = engine.generate([request("woken")])[0]
+    assert all(torch.isfinite(torch.tensor(result.logprobs))) and result.versions[0] == 2
+
+
+def test_interrupt_hands_back_partial_tokens_and_abort_drops(engine):
+    for rid in ("a", "b", "c"):
+        engine.add(request(rid, LONG))
+    for _ in range(6):
+        assert engine.step() == []
+    (partial,) = engine.interrupt(["a"])
+    assert partial.finish_reason == "interrupt" and 0 < len(partial.output_ids) < LONG.max_new_tokens
+    assert len(partial.logprobs) == len(partial.versions) == len(partial.output_ids)
+    engine.abort(["b"])
+    assert ("abort_request", "a") in fake(engine).calls and ("abort_request", "b") in fake(engine).calls
+    resumed = GenerationRequest("a", partial.prompt_ids, LONG, partial.output_ids, partial.logprobs, partial.versions)
+    engine.add(resumed)  # partial rollout: re-prefill with the tokens it has
+    done = {}
+    while engine.has_unfinished():
+        done.update((r.request_id, r) for r in engine.step())
+    assert sorted(done) == ["a", "c"]
+    assert done["a"].output_ids[: len(partial.output_ids)] == partial.output_ids
+    assert len(done["a"].output_ids) == LONG.max_new_tokens and done["a"].finish_reason == "length"
+
+
+def test_in_flight_update_pauses_in_place_and_stamps_token_versions(engine, trained):
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)  # start-up load (idle)
+    sync.sync(engine, 1)
+    engine.add(request("x", LONG))
+    engine.add(request("y", LONG, prompt=(9, 10)))
+    for _ in range(6):
+        engine.step()
+    fake(engine).calls.clear()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(0.5)
+    staged = sync.publish(2)
+    staged.apply(engine)  # the rollout thread's step boundary
+    calls = names(fake(engine).calls)
+    assert calls[0] == "pause_generation" and fake(engine).calls[0][1] == "in_place"
+    assert calls[-2:] == ["update_weight_version", "continue_generation"]
+    assert "flush_cache" not in calls  # running requests keep their KV cache
+    done = {}
+    while engine.has_unfinished():
+        done.update((r.request_id, r) for r in engine.step())
+    before = 0
+    for result in done.values():
+        k = result.versions.index(2)
+        assert result.versions == [1] * k + [2] * (len(result.output_ids) - k)
+        before += k
+        tail = reference_logprobs(trained, result.prompt_ids + result.output_ids[:k], result.output_ids[k:], 1.0)
+        assert result.logprobs[k:] == pytest.approx(tail, abs=1e-5)  # sampled by the new weights
+    assert before >= 6  # every step brought at least one token, all under version 1
+
+
+def test_bf16_lora_merges_float32_adapters_into_bf16_engine_weights(model_dir, monkeypatch):
+    """The 7B LoRA example's case: a bf16 base with peft's float32 adapters."""
+    from colorl.config import LoraConfig
+    from colorl.train.policy import apply_lora
+
+    standin.install(monkeypatch)
+    engine = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.bfloat16)
+    lora = LoraConfig(r=4, alpha=8)
+    model = apply_lora(load_model(model_dir, torch.bfloat16), lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    sync = CheckpointEngine(model, engine, SMALL_BUCKETS, lora)
+    sync.sync(engine, 1)
+    merged = {name: p.float() for name, p in model.merge_and_unload().named_parameters()}
+    for name, p in fake(engine).model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.allclose(p.float(), merged[name], rtol=1e-2, atol=1e-2), name
+    engine.shutdown()

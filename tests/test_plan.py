@@ -1,0 +1,195 @@
+"""`colorl plan`: the per-device arithmetic on models built from config (Qwen2.5-1.5B and 7B, on the
+meta device), the knob it names when a run does not fit, the example GPU configs, and the
+activation estimate against a measured CPU training step."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from colorl.cli import main
+from colorl.config import load_config
+from colorl.models import meta_model
+from colorl.plan import GiB, Architecture, plan_memory, plan_with_advice
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN25_1_5B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                   max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0)
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0)
+EXAMPLES = {"configs/gpu8-qwen2.5-1.5b.yaml": QWEN25_1_5B, "configs/gpu8-qwen2.5-7b-lora.yaml": QWEN25_7B}
+
+
+def hf(spec: dict):
+    spec = dict(spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def gpu_config(path="configs/gpu8-qwen2.5-1.5b.yaml", *overrides):
+    return load_config(ROOT / path, list(overrides), check_paths=False)
+
+
+def test_parameter_counts_are_the_published_sizes():
+    small, large = Architecture.from_hf_config(hf(QWEN25_1_5B)), Architecture.from_hf_config(hf(QWEN25_7B))
+    assert small.params == pytest.approx(1.54e9, abs=0.006e9)  # model cards: 1.54B and 7.61B
+    assert large.params == pytest.approx(7.61e9, abs=0.006e9)
+    assert small.layer_params * 28 < small.params < (small.layer_params + 1) * 28 + small.vocab * 1536 + 1536
+
+
+def test_lora_count_agrees_with_peft():
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    arch = Architecture.from_hf_config(hf(QWEN25_7B), targets, 32)
+    peft_model = get_peft_model(meta_model(hf(QWEN25_7B)), LoraConfig(r=32, target_modules=targets))
+    assert arch.lora_params == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert arch.adapted_params == sum(m.weight.numel() for n, m in meta_model(hf(QWEN25_7B)).named_modules()
+                                      if n.rsplit(".", 1)[-1] in targets)
+
+
+def test_per_device_lines_by_hand():
+    # 8 ranks, float32 weights with bf16 compute, 8192-token micro-batches, max_new_tokens 1024, memory_fraction 0.5
+    cfg = gpu_config()
+    arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
+    memory, prompt = 80 * GiB, 200
+    plan = plan_memory(cfg, arch, memory, prompt)
+    lines = {name: line.bytes for name, line in plan.lines.items()}
+    p = arch.params
+    assert lines["trainer weights"] == -(-p * 4 // 8) and lines["gradients"] == -(-p * 4 // 8)
+    assert lines["optimizer state"] == -(-2 * p * 4 // 8)
+    assert lines["engine weights"] == 4 * p
+    assert lines["engine KV cache"] == int(0.5 * memory) - lines["trainer weights"] - 4 * p
+    assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 4)  # 2 kv heads of 128, float32
+    h, i, v = 1536, 8960, 151936
+    norm = (8 + 4) * h  # bf16 compute: input, float32 copy, normalised, cast back
+    per_token = 28 * (2 * norm + 10 * h + 8 * i) + norm + 2 * h + 18 * v  # 10 h: 8 h + the varlen concat
+    assert lines["activations"] == max(cfg.train.max_tokens_per_micro_batch, prompt + 1024) * per_token
+    rollout, train, sync = (plan.phase_bytes(phase) for phase in plan.phases)
+    # the optimizer is offloaded between train phases; the engine keeps its weights at sleep level 1
+    assert rollout == int(0.5 * memory) + lines["reserve"]
+    assert train == sum(lines[k] for k in ("trainer weights", "gradients", "optimizer state", "activations",
+                                            "unsharded layers", "engine weights", "reserve"))
+    assert sync == sum(lines[k] for k in ("trainer weights", "engine weights", "sync buckets", "reserve"))
+
+
+def test_phases_follow_offload_sleep_level_and_mode():
+    arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
+
+    def phase(name, *overrides):
+        plan = plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", *overrides), arch, 80 * GiB, 200)
+        return plan, next(p for p in plan.phases if p.name == name)
+
+    plan, rollout = phase("rollout", "train.offload_optimizer=false")
+    assert "optimizer state" in rollout.parts
+    plan, train = phase("train", "engine.sleep_level=2")
+    assert "engine weights" not in train.parts
+    plan, train = phase("train", "mode=bounded_lag")
+    assert {"engine weights", "engine KV cache"} <= set(train.parts)
+
+
+def test_a_run_that_does_not_fit_names_the_knob_that_makes_it_fit():
+    arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
+    cfg = gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.max_tokens_per_micro_batch=32768")
+    plan = plan_with_advice(cfg, arch, 80 * GiB, 200)
+    assert not plan.fits and plan.peak.name == "train"
+    assert "does not fit" in plan.verdict() and "set train.max_tokens_per_micro_batch=8192" in plan.verdict()
+    budget = "train.max_tokens_per_micro_batch"
+    assert plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=8192"), arch, 80 * GiB, 200).fits
+    assert not plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=16384"), arch,
+                           80 * GiB, 200).fits
+
+    full_7b = gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml", "model.lora=null", "launch.nproc=1",
+                         "rollout.batch_groups=1")
+    hopeless = plan_with_advice(full_7b, Architecture.from_hf_config(hf(QWEN25_7B)), 24 * GiB, 200)
+    assert not hopeless.fits and "no single knob" in hopeless.verdict()
+
+
+def test_engine_fraction_too_small_for_the_weights_is_reported():
+    arch = Architecture.from_hf_config(hf(QWEN25_7B), ["q_proj"], 8)
+    plan = plan_with_advice(gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml", "engine.memory_fraction=0.1"),
+                            arch, 80 * GiB, 200)
+    assert plan.kv_tokens <= 0 and not plan.fits
+    assert "no KV cache" in plan.verdict() and "engine.memory_fraction=" in plan.verdict()
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES))
+def test_example_gpu_configs_validate_and_fit_80gib(path, tmp_path, capsys):
+    model_config = tmp_path / "config.json"
+    model_config.write_text(json.dumps({**EXAMPLES[path], "architectures": ["Qwen2ForCausalLM"]}))
+    assert main(["train", path, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout:\n  engine: sglang" in out and "launch: 8 x cuda" in out
+    assert "could not be checked on this machine" in out
+    assert main(["plan", path, "--model-config", str(model_config), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "could not be checked on this machine" in out and "\nfits: " in out and "engine KV cache" in out
+
+
+def test_plan_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--gpu-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-memory" in err[0]
+    assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--set", "model.path=Qwen/NotHere-0B"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model-config" in err[0]
+
+
+def test_plan_of_the_tiny_cpu_config_measures_its_prompts(capsys):
+    assert main(["plan", "configs/tiny.yaml"]) == 0  # launch.device auto: this CPU machine
+    out = capsys.readouterr().out
+    assert "prompt length: longest of 64 task prompts" in out and "fits:" in out
+
+
+def _measured_activations(model_dir: Path, micro: int, seq: int) -> int:
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "measure_train_peak.py"), str(model_dir),
+                           str(micro), str(seq)], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures["peak_rise"] - figures["grads"]
+
+
+def test_activation_estimate_against_a_measured_cpu_step(tmp_path):
+    """A float32 training step on CPU: the peak rise of resident memory over the step, less the
+    gradients it allocates, against the plan's activations; two depths separate the per-layer part."""
+    from colorl.models import save_tiny_model
+
+    micro, seq = 8, 256
+    measured, planned = {}, {}
+    for layers in (2, 6):
+        folder = save_tiny_model(tmp_path / f"l{layers}", hidden_size=256, intermediate_size=512,
+                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+        measured[layers] = _measured_activations(folder, micro, seq)
+        planned[layers] = micro * seq * Architecture.from_hf_config(AutoConfig.from_pretrained(folder)) \
+            .activation_bytes_per_token(4)
+    slope_measured = (measured[6] - measured[2]) / 4
+    slope_planned = (planned[6] - planned[2]) / 4
+    assert slope_planned == pytest.approx(slope_measured, rel=0.05)
+    for layers in (2, 6):
+        assert planned[layers] == pytest.approx(measured[layers], rel=0.15), (layers, planned, measured)
+
+
+@pytest.mark.cuda
+def test_cuda_run_logs_memory_per_phase_within_the_plan(tmp_path):
+    """On a GPU: metrics carry allocated/reserved/per-phase peaks, and the train phase's measured
+    peak stays under the plan's figure for it."""
+    from colorl.plan import plan_for_run
+    from colorl.models import resolve_model_path
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", "--device", "cuda", "--run-dir", str(run_dir)]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = {"cuda_allocated_gb", "cuda_reserved_gb", "cuda_peak_rollout_gb", "cuda_peak_train_gb", "cuda_peak_sync_gb"}
+    assert all(keys <= set(record) for record in records)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["launch.device=cuda"])
+    plan = plan_for_run(cfg, resolve_model_path(cfg.model.path), torch.cuda.get_device_properties(0).total_memory)
+    train = next(p for p in plan.phases if p.name == "train")
+    assert max(r["cuda_peak_train_gb"] for r in records) * GiB <= plan.phase_bytes(train)
