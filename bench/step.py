@@ -174,6 +174,15 @@ def needed_flops(model, groups) -> float:
     return flops
 
 
+def step_inputs(ctx) -> tuple[list[int], int]:
+    """Problem indices and sampling seed of the next step, in the API of the tree under test
+    (per-step arguments since the resume work; none at 8c04575)."""
+    try:
+        return list(ctx.problem_indices(ctx.state.step)), ctx.sample_seed(ctx.state.step)
+    except TypeError:
+        return list(ctx.problem_indices()), ctx.sample_seed()
+
+
 def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -201,9 +210,10 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         reset_peak()
         started = time.perf_counter()
         engine.wake()
-        problems = [ctx.task.train_problem(i) for i in ctx.problem_indices()]
+        indices, seed = step_inputs(ctx)
+        problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
-                                ctx.reward_fn, ctx.decode, ctx.sample_seed(), ctx.stop_ids)
+                                ctx.reward_fn, ctx.decode, seed, ctx.stop_ids)
         engine.sleep(cfg.engine.sleep_level)
         row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()
         row.update(profile.take())

@@ -70,10 +70,6 @@ class MicroBatch:
     seq_ids: torch.Tensor  # [K] which of this micro-batch's n sequences each token belongs to
     dummy: bool = False  # a placeholder so every rank runs the same collectives; contributes nothing
 
-    @property
-    def tokens(self) -> int:
-        return self.input_ids.shape[1]
-
 
 def plan_micro_batches(lengths: dict[int, int], budget: int) -> list[list[int]]:
     """Sequence indices per micro-batch from {index: tokens}: longest first, at most `budget` tokens each.
