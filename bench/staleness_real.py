@@ -33,7 +33,7 @@ MODES = ",".join([
     "bounded_lag:buffer=queue_drop,c=32",
     "bounded_lag:buffer=queue_drop,c=32,q=2",
     "bounded_lag:buffer=queue_drop,c=64,q=3",
-    "bounded_lag:buffer=queue_drop,c=16,rollout.length_override={mean: 96, tailness: 90, cap: 512}",
+    "bounded_lag:buffer=queue_drop,c=16,rollout.length_override={mean: 96, tailness: 90, cap: 384}",
 ])
 
 
@@ -101,6 +101,9 @@ def main() -> int:
     bench = json.loads((out / "bench.json").read_text())
     table = rows(bench)
     print_table(table)
+    if not any(r["status"] == "ok" for r in table):
+        print("no configuration ran: nothing recorded", file=sys.stderr)
+        return 1
     keep = RESULTS / args.name
     shutil.rmtree(keep, ignore_errors=True)
     keep.mkdir(parents=True)
