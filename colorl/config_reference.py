@@ -104,7 +104,8 @@ NOTES: dict[str, str] = {
     "launch.nproc": "Ranks (processes) to launch; one per device. `--nproc` sets it.",
     "launch.device": "`auto` (CUDA if present), `cpu` or `cuda`. `--device` sets it.",
     "launch.collective_timeout_s": "A rank stuck in a collective longer than this ends the run.",
-    "launch.rollout_threads": "Bounded-lag on CPU: intra-op threads of the rollout loop; null: half the rank's cores.",
+    "launch.rollout_threads": "Bounded-lag on CPU: intra-op threads of the rollout loop while the trainer trains "
+                             "(it takes all the rank's cores while the trainer waits); null: half.",
     "launch.train_threads": "Bounded-lag on CPU: intra-op threads of the train loop; null: the rest of the rank's cores.",
     "staleness.redundancy": "Redundant rollout (off: null): over-sample, abort the slowest; shifts lengths short.",
     "staleness.redundancy.level": "`group`: ⌈S·ratio⌉ extra samples per group; `batch`: ⌈(G/world)·ratio⌉ extra "

@@ -55,6 +55,8 @@ class RankContext:
     nonfinite: faults.NonFiniteGuard
     resumed_from: int | None = None  # checkpoint step the run resumed from
     history: list[dict] = field(default_factory=list)
+    # this rank's intra-op thread budget, as the launcher set it from the cores the rank may use
+    rank_threads: int = field(default_factory=torch.get_num_threads)
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -168,7 +170,7 @@ class RankContext:
         them (barriers then stall for whole scheduler slices). Default: split the rank's cores,
         the rollout loop taking half (bench/threads.py measured the alternatives).
         """
-        budget = torch.get_num_threads()
+        budget = self.rank_threads
         launch = self.cfg.launch
         rollout = launch.rollout_threads or max(1, budget // 2)
         train = launch.train_threads or max(1, budget - rollout)

@@ -39,7 +39,8 @@ def run_bounded_lag(ctx, stop) -> None:
     if ctx.state.step == 0:
         ctx.report_initial_eval(ctx.evaluate_problems)  # the engine stays awake: no sleep in this mode
     rollout_threads, train_threads = ctx.loop_threads()
-    producer = RolloutProducer(ctx, _rank_buffer(ctx), rollout_threads, saved=ctx.load_rollout_state())
+    producer = RolloutProducer(ctx, _rank_buffer(ctx), rollout_threads, idle_trainer_threads=ctx.rank_threads,
+                               saved=ctx.load_rollout_state())
     if producer.dropped_on_resume:
         ctx.event(f"resume: {producer.dropped_on_resume} saved groups no longer fit within eta and were dropped")
     ctx.set_train_threads(train_threads)

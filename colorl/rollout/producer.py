@@ -74,10 +74,13 @@ class LoopStatus:
 
 
 class RolloutProducer:
-    def __init__(self, ctx, buffer, threads: int, saved: dict | None = None) -> None:
+    def __init__(self, ctx, buffer, threads: int, idle_trainer_threads: int, saved: dict | None = None) -> None:
+        """threads: the rollout loop's intra-op threads while the trainer trains; while the trainer
+        waits for a buffer it uses no core, and the rollout loop takes `idle_trainer_threads`."""
         cfg = ctx.cfg
         self.ctx, self.engine, self.buffer = ctx, ctx.engine, buffer
-        self.threads = threads
+        self.threads, self.idle_trainer_threads = threads, idle_trainer_threads
+        self._trainer_waiting = False
         self.group_size = cfg.rollout.group_size
         redundancy = cfg.staleness.redundancy
         extra = math.ceil(self.group_size * redundancy.ratio) if redundancy and redundancy.level == "group" else 0
@@ -126,6 +129,7 @@ class RolloutProducer:
                 self._raise_if_failed()
                 taken = self.buffer.take(version)
                 dropped += len(taken.dropped)
+                self._trainer_waiting = taken.batch is None
                 if taken.batch is None:
                     self._cv.wait(WAIT_TICK_S)
                 else:
@@ -163,7 +167,6 @@ class RolloutProducer:
 
     # ---------------------------------------------------------------- rollout thread
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)  # per thread: the trainer keeps its own count
         device = getattr(self.engine, "device", None)
         stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
         try:
@@ -260,6 +263,8 @@ class RolloutProducer:
             self._publish_status()
             return
         faults.point("rollout", self.ctx.state.step + 1)
+        # per thread (the trainer keeps its own): the whole budget while the trainer idles
+        torch.set_num_threads(self.idle_trainer_threads if self._trainer_waiting else self.threads)
         results = self.engine.step()
         self._window.busy_s += time.perf_counter() - started
         for result in results:
