@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 
 def pytest_configure(config):
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # test helper modules, by plain name
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,12 +17,12 @@ SETS = ["rollout.engine=hf", "task.reward=reward_fns:digit_fraction", "rollout.b
 
 
 def _start(run_dir: Path, nproc: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "colorl.cli", "train", "configs/tiny.yaml", "--nproc", str(nproc),
-            "--run-dir", str(run_dir)]
+    from colorl_process import start_colorl
+
+    args = ["train", "configs/tiny.yaml", "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for item in SETS:
         args += ["--set", item]
-    env = dict(os.environ, PYTHONPATH=HELPERS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return start_colorl(args, HELPERS)
 
 
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 120) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -208,10 +206,10 @@ def test_settings_an_engine_or_buffer_cannot_honour_are_refused(capsys, sets, me
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_both_loops_saves_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "colorl", "train", "configs/tiny.yaml", "--run-dir", str(run),
-            *_argv(_sets(["run.steps=500", "run.save_every=0"]))]
-    env = dict(os.environ, PYTHONPATH=HELPERS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    from colorl_process import start_colorl
+
+    proc = start_colorl(["train", "configs/tiny.yaml", "--run-dir", str(run),
+                         *_argv(_sets(["run.steps=500", "run.save_every=0"]))], HELPERS)
     deadline = time.monotonic() + 120
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
