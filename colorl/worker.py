@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from colorl import faults
-from colorl.config import Config, dump_config, resolve_reward
+from colorl.config import Config, dump_config
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
 from colorl.evaluate import EvalResult, evaluate
