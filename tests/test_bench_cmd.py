@@ -23,7 +23,8 @@ def test_two_variants_side_by_side_and_failing_variants_do_not_stop_the_others(t
     out = tmp_path / "bench"
     code = main(["bench", "configs/tiny.yaml", "--steps", "3", "--warmup", "1", "--out", str(out),
                  "--set", "run.eval_every=3", "--set", "run.eval_prompts=4",
-                 "--modes", "colocated,colocated:engine.num_blocks=1,colocated:rollout.temperature=-1,bounded_lag:eta=1"])
+                 "--modes", "colocated,colocated:engine.num_blocks=1,colocated:rollout.temperature=-1,"
+                 "bounded_lag:eta=1"])
     assert code == 1  # a variant failed; its error is in the table
     stdout = capsys.readouterr().out
 
