@@ -64,7 +64,8 @@ def print_table(table: list[dict]) -> None:
     print("|" + "---|" * 14)
     for r in table:
         if r["status"] != "ok":
-            print(f"| {r['variant']} | {r.get('concurrency')} | {r.get('queue_factor')} | {r['status']}: {r['error']} |")
+            print(f"| {r['variant']} | {r.get('concurrency')} | {r.get('queue_factor')} | "
+                  f"{r['status']}: {r['error']} |")
             continue
         flag = "" if r["error_pred"] is not None and r["error_pred"] <= TOLERANCE else " †"
         print(f"| {r['variant']} | {r['concurrency']} | {_f(r['queue_factor'], 'g')} | {_f(r['rho'])} | {r['regime']} "

@@ -4,6 +4,7 @@ Definitions (stated again in bench.md's header):
 - trained tokens/s: response tokens the trainer consumed in a step / the step's wall-clock time
   (`time_step_s`), median over the steps after the warm-up. Not per second of the train phase:
   that is `train_tokens_per_s` in the run's own metrics.
+- pooled trained tokens/s: the same steps' trained tokens summed / their step times summed.
 - generated tokens/s: response tokens the engine produced in a step / the same step time.
 - staleness mean / PQS / IQS / ρ / M_tail / lengths: mean or median over the steps after the
   warm-up; staleness max, histogram and group counts: over every step (the bound holds on all).
@@ -91,6 +92,14 @@ def _per_step_second(records: list[dict], key: str, workload: Workload) -> float
     return statistics.median(rates) if rates else None
 
 
+def _pooled(records: list[dict], key: str, workload: Workload) -> float | None:
+    """All steps' tokens over all steps' time: steadier than the median when a step's token count
+    swings with the length tail."""
+    pairs = [(_tokens(r, key, workload), _number(r.get("time_step_s"))) for r in records]
+    pairs = [(t, s) for t, s in pairs if t is not None and s]
+    return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
+
+
 def _idle_fractions(records: list[dict], workload: Workload) -> tuple[float | None, float | None, str]:
     """(trainer wait, engine idle) as fractions of step time, and where they come from.
 
@@ -132,6 +141,7 @@ def summarize(records: list[dict], workload: Workload, warmup: int) -> dict:
         "steps_done": len(records),
         "steps_measured": len(steady),
         "trained_tokens_per_s": _per_step_second(steady, "trained_tokens", workload),
+        "trained_tokens_per_s_pooled": _pooled(steady, "trained_tokens", workload),
         "generated_tokens_per_s": _per_step_second(steady, "generated_tokens", workload),
         "train_phase_tokens_per_s": _median(steady, "train_tokens_per_s"),
         "rollout_phase_tokens_per_s": _median(steady, "rollout_tokens_per_s"),

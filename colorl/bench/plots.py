@@ -31,7 +31,7 @@ def frontier(bench: dict, path: Path) -> None:
         color = f"C{i}"
         ax.plot([measured], [y], "o", color=color, markersize=9, label=f"{variant['spec']} measured")
         if _finite(predicted):
-            ax.plot([predicted], [y], "o", mfc="none", color=color, markersize=9, label=f"{variant['spec']} predicted")
+            ax.plot([predicted], [y], "o", mfc="none", color=color, markersize=15, label=f"{variant['spec']} predicted")
             ax.plot([measured, predicted], [y, y], ":", color=color)
     ax.set_xlabel("mean staleness (steps)")
     ax.set_ylabel("trained tokens / s (wall clock)")

@@ -11,8 +11,9 @@ from rich.table import Table
 
 TRAINED_DEFINITION = ("trained tok/s = response tokens trained per wall-clock second of a step "
                       "(trained tokens / time_step_s), median over the steps after the warm-up; "
-                      "speed-up = trained tok/s / the first variant's; pred = mean of the run's own "
-                      "per-step staleness_pred; formula = colorl.staleness at the run's median ρ and M_tail")
+                      "speed-up = trained tok/s / the first variant's; pooled = those steps' trained tokens / "
+                      "their summed step time; pred = mean of the run's own per-step staleness_pred; "
+                      "formula = colorl.staleness at the run's median ρ and M_tail")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Column:
 TABLES = {
     "throughput and time": (
         Column("trained tok/s", "trained_tokens_per_s", "{:.1f}"), Column("speed-up", "speedup", "{:.2f}x"),
+        Column("pooled tok/s", "trained_tokens_per_s_pooled", "{:.1f}"),
         Column("generated tok/s", "generated_tokens_per_s", "{:.1f}"), Column("step s", "step_time_s"),
         Column("trainer wait", "trainer_wait_frac", "{:.0%}"), Column("engine idle", "engine_idle_frac", "{:.0%}"),
         Column("reward (end)", "reward_final", "{:.3f}"), Column("eval acc", "eval_accuracy_final", "{:.1%}"),
