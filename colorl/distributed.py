@@ -38,6 +38,7 @@ def _worker(local_rank: int, world: int, port: int, fn, args) -> None:
     init_process_group(local_rank, world, port)
     try:
         fn(local_rank, world, *args)
+        dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort it
     finally:
         dist.destroy_process_group()
 
