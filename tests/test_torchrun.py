@@ -6,6 +6,10 @@
 - two torchrun "nodes" on 127.0.0.1 (c10d rendezvous, one process each): the checkpoint engine
   must take the process-group path between nodes, and after three steps every rank's engine
   holds the trainer's full weights bit for bit.
+
+Every torchrun here gets `--local-addr 127.0.0.1`: torchrun otherwise serves its store on the
+machine's FQDN, and where the hostname does not resolve (a CI container) the rendezvous waits
+forever for a store that never started.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from pathlib import Path
 from colorl.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]
 HELPER = ROOT / "tests" / "helpers" / "torchrun_sync_check.py"
 
 
@@ -28,10 +32,27 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(nodes: list[subprocess.Popen], timeout_s: float = 180) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr); on a hang, kill them all and fail with what they printed."""
+    try:
+        return [node.communicate(timeout=timeout_s) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        printed = [node.communicate()[1][-2000:] for node in nodes]
+        raise AssertionError(f"torchrun still running after {timeout_s:.0f} s:\n" + "\n---\n".join(printed))
+
+
 def _standalone(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "colorl", "train",
-                                      "configs/tiny.yaml", "--run-dir", str(run_dir), *args],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    command = TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "colorl", "train", "configs/tiny.yaml",
+                          "--run-dir", str(run_dir), *args]
+    node = _start(command)
+    [(stdout, stderr)] = _finish([node])
+    return subprocess.CompletedProcess(command, node.returncode, stdout, stderr)
 
 
 def test_standalone_torchrun_runs_the_ranks_in_place_refuses_and_resumes(tmp_path):
@@ -60,9 +81,8 @@ def test_two_nodes_sync_through_the_process_group_and_engines_match_trainers(tmp
     command = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "colorl-test",
                           str(HELPER), str(ROOT / "configs" / "tiny.yaml"), str(tmp_path / "run"), str(out)]
-    nodes = [subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=300) for node in nodes]
+    nodes = [_start(command) for _ in range(2)]
+    outputs = _finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(rank["node"] for rank in ranks) == [0, 1]
