@@ -106,7 +106,8 @@ NOTES: dict[str, str] = {
     "launch.collective_timeout_s": "A rank stuck in a collective longer than this ends the run.",
     "launch.rollout_threads": "Bounded-lag on CPU: intra-op threads of the rollout loop while the trainer trains "
                              "(it takes all the rank's cores while the trainer waits); null: half.",
-    "launch.train_threads": "Bounded-lag on CPU: intra-op threads of the train loop; null: the rest of the rank's cores.",
+    "launch.train_threads": "Bounded-lag on CPU: intra-op threads of the train loop while the engine decodes "
+                            "(it takes all the rank's cores while the engine idles); null: the rest.",
     "staleness.redundancy": "Redundant rollout (off: null): over-sample, abort the slowest; shifts lengths short.",
     "staleness.redundancy.level": "`group`: ⌈S·ratio⌉ extra samples per group; `batch`: ⌈(G/world)·ratio⌉ extra "
                                   "groups per version buffer (staleflow only).",

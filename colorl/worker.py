@@ -20,6 +20,7 @@ from colorl.engines import build_engine
 from colorl.engines.base import Engine
 from colorl.evaluate import EvalResult, evaluate
 from colorl.metrics.display import Display
+from colorl.modes.cores import CoreShare
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.models import encode_chat, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
@@ -163,22 +164,14 @@ class RankContext:
         text = read_rank_file(self.run_dir, self.resumed_from, ROLLOUT_STATE)
         return json.loads(text) if text is not None else None
 
-    def loop_threads(self) -> tuple[int, int]:
-        """Intra-op threads of (rollout loop, train loop) in bounded-lag mode.
-
-        Each thread starts its own OpenMP team; two teams as wide as the rank's cores oversubscribe
-        them (barriers then stall for whole scheduler slices). Default: split the rank's cores,
-        the rollout loop taking half (bench/threads.py measured the alternatives).
-        """
+    def core_share(self) -> CoreShare:
+        """How bounded-lag mode's two loops share this rank's cores while both work: the configured
+        threads, by default half each (bench/threads.py measured the alternatives)."""
         budget = self.rank_threads
         launch = self.cfg.launch
         rollout = launch.rollout_threads or max(1, budget // 2)
         train = launch.train_threads or max(1, budget - rollout)
-        return rollout, train
-
-    @staticmethod
-    def set_train_threads(threads: int) -> None:
-        torch.set_num_threads(threads)  # per thread: the rollout thread sets its own
+        return CoreShare(budget, rollout, train)
 
 
 class StopRequest:

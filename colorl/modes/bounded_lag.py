@@ -25,8 +25,11 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from colorl import faults
 from colorl.buffer import make_buffer
+from colorl.modes.cores import follow_in_training
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.producer import RolloutProducer
 from colorl.train.batch import build_batch
@@ -38,12 +41,11 @@ def run_bounded_lag(ctx, stop) -> None:
         ctx.weight_sync.sync(engine, ctx.state.version)  # engines start from the trainer's weights
     if ctx.state.step == 0:
         ctx.report_initial_eval(ctx.evaluate_problems)  # the engine stays awake: no sleep in this mode
-    rollout_threads, train_threads = ctx.loop_threads()
-    producer = RolloutProducer(ctx, _rank_buffer(ctx), rollout_threads, idle_trainer_threads=ctx.rank_threads,
-                               saved=ctx.load_rollout_state())
+    cores = ctx.core_share()
+    producer = RolloutProducer(ctx, _rank_buffer(ctx), cores, saved=ctx.load_rollout_state())
     if producer.dropped_on_resume:
         ctx.event(f"resume: {producer.dropped_on_resume} saved groups no longer fit within eta and were dropped")
-    ctx.set_train_threads(train_threads)
+    following = follow_in_training(trainer.model, cores)  # the trainer's threads follow the engine's idling
     producer.start()
     try:
         while ctx.state.step < cfg.run.steps:
@@ -59,6 +61,7 @@ def run_bounded_lag(ctx, stop) -> None:
             faults.point("train", ctx.state.step + 1)
             started = time.perf_counter()
             batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id)
+            torch.set_num_threads(cores.train_threads())  # then again at each decoder layer
             train_stats = trainer.train_step(batch)
             trainer.offload()
             times.train = time.perf_counter() - started
@@ -87,6 +90,8 @@ def run_bounded_lag(ctx, stop) -> None:
                 return
     finally:
         producer.stop()
+        for hook in following:
+            hook.remove()
 
 
 def _rank_buffer(ctx):

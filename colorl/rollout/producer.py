@@ -24,7 +24,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,6 +34,9 @@ from colorl.engines.base import GenerationRequest, GenerationResult
 from colorl.rollout.collect import step_requests
 from colorl.rollout.types import Group, RolloutWindow
 from colorl.tasks.base import Problem
+
+if TYPE_CHECKING:
+    from colorl.modes.cores import CoreShare
 
 WAIT_TICK_S = 0.25  # how often a waiting trainer refreshes the display and checks the rollout thread
 
@@ -74,13 +77,10 @@ class LoopStatus:
 
 
 class RolloutProducer:
-    def __init__(self, ctx, buffer, threads: int, idle_trainer_threads: int, saved: dict | None = None) -> None:
-        """threads: the rollout loop's intra-op threads while the trainer trains; while the trainer
-        waits for a buffer it uses no core, and the rollout loop takes `idle_trainer_threads`."""
+    def __init__(self, ctx, buffer, cores: CoreShare, saved: dict | None = None) -> None:
+        """cores: how this loop and the trainer share the rank's cores (colorl/modes/cores.py)."""
         cfg = ctx.cfg
-        self.ctx, self.engine, self.buffer = ctx, ctx.engine, buffer
-        self.threads, self.idle_trainer_threads = threads, idle_trainer_threads
-        self._trainer_waiting = False
+        self.ctx, self.engine, self.buffer, self.cores = ctx, ctx.engine, buffer, cores
         self.group_size = cfg.rollout.group_size
         redundancy = cfg.staleness.redundancy
         extra = math.ceil(self.group_size * redundancy.ratio) if redundancy and redundancy.level == "group" else 0
@@ -129,7 +129,7 @@ class RolloutProducer:
                 self._raise_if_failed()
                 taken = self.buffer.take(version)
                 dropped += len(taken.dropped)
-                self._trainer_waiting = taken.batch is None
+                self.cores.trainer_idle = taken.batch is None
                 if taken.batch is None:
                     self._cv.wait(WAIT_TICK_S)
                 else:
@@ -256,15 +256,15 @@ class RolloutProducer:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        if not self.engine.has_unfinished():
+        self.cores.rollout_idle = not self.engine.has_unfinished()
+        if self.cores.rollout_idle:
             with self._cv:
                 self._cv.wait(0.05)  # woken by a publish, a consume, an eval request or stop
             self._window.idle_s += time.perf_counter() - started
             self._publish_status()
             return
         faults.point("rollout", self.ctx.state.step + 1)
-        # per thread (the trainer keeps its own): the whole budget while the trainer idles
-        torch.set_num_threads(self.idle_trainer_threads if self._trainer_waiting else self.threads)
+        torch.set_num_threads(self.cores.rollout_threads())  # per thread: the trainer sets its own
         results = self.engine.step()
         self._window.busy_s += time.perf_counter() - started
         for result in results:
