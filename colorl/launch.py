@@ -179,9 +179,11 @@ def _first_failure(procs, error_dir: str) -> RankFailure | None:
     failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     if not failed:
         return None
-    # A rank killed by a signal is the cause; peers then fail in their collectives with reports of their own.
+    # A rank killed by a signal is the cause; peers then fail in their collectives with reports of their own,
+    # written after the cause's report (its exit is what breaks their connections): the earliest report wins.
     killed = [(r, p) for r, p in failed if p.exitcode < 0]
-    reported = [(r, p) for r, p in failed if Path(error_dir, f"rank{r}.txt").exists()]
+    reports = {r: Path(error_dir, f"rank{r}.txt") for r, _ in failed}
+    reported = sorted(((r, p) for r, p in failed if reports[r].exists()), key=lambda rp: reports[rp[0]].stat().st_mtime_ns)
     rank, proc = (killed or reported or failed)[0]
     path = Path(error_dir, f"rank{rank}.txt")
     if path.exists():

@@ -87,3 +87,23 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
         time.sleep(0.2)
     os.kill(pid, signal.SIGKILL)
     pytest.fail("rank kept running after its launcher was killed")
+
+
+def test_the_earliest_report_names_the_cause_not_the_peers_that_failed_after_it(tmp_path):
+    """Both ranks can be found dead in one poll: the peer's collective error (rank 0) was written
+    after the cause's traceback (rank 1), and the launcher must show the cause."""
+    from types import SimpleNamespace
+
+    from colorl.launch import _first_failure
+
+    procs = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=1)]
+    cause, peer = tmp_path / "rank1.txt", tmp_path / "rank0.txt"
+    cause.write_text("RuntimeError: the rollout thread failed")
+    peer.write_text("RuntimeError: gloo: Connection closed by peer")
+    written = time.time_ns()
+    os.utime(cause, ns=(written - 10**9, written - 10**9))
+    os.utime(peer, ns=(written, written))
+    failure = _first_failure(procs, str(tmp_path))
+    assert (failure.rank, failure.error) == (1, "RuntimeError: the rollout thread failed")
+    os.utime(peer, ns=(written - 2 * 10**9, written - 2 * 10**9))  # and the other way round
+    assert _first_failure(procs, str(tmp_path)).rank == 0
