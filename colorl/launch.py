@@ -183,9 +183,10 @@ def _first_failure(procs, error_dir: str) -> RankFailure | None:
     # written after the cause's report (its exit is what breaks their connections): the earliest report wins.
     killed = [(r, p) for r, p in failed if p.exitcode < 0]
     reports = {r: Path(error_dir, f"rank{r}.txt") for r, _ in failed}
-    reported = sorted(((r, p) for r, p in failed if reports[r].exists()), key=lambda rp: reports[rp[0]].stat().st_mtime_ns)
+    reported = sorted(((r, p) for r, p in failed if reports[r].exists()),
+                      key=lambda rank_proc: reports[rank_proc[0]].stat().st_mtime_ns)
     rank, proc = (killed or reported or failed)[0]
-    path = Path(error_dir, f"rank{rank}.txt")
+    path = reports[rank]
     if path.exists():
         return RankFailure(rank, proc.exitcode, path.read_text(encoding="utf-8"))
     how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"

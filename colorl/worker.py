@@ -20,8 +20,8 @@ from colorl.engines import build_engine
 from colorl.engines.base import Engine
 from colorl.evaluate import EvalResult, evaluate
 from colorl.metrics.display import Display
-from colorl.modes.cores import CoreShare
 from colorl.metrics.logger import MetricsWriter, read_metrics
+from colorl.modes.cores import CoreShare
 from colorl.models import encode_chat, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task

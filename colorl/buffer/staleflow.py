@@ -62,13 +62,18 @@ class StaleFlowBuffers:
         if slot.state != NEW:  # hot path in the simulator: no call unless it fails
             expect(slot, NEW)
         v_traj = slot.v_traj
-        for vbuf in range(v_traj + self.eta, max(v_traj, self.next_buf) - 1, -1):
+        return self._take_entry(slot, range(v_traj + self.eta, max(v_traj, self.next_buf) - 1, -1), RESERVED)
+
+    def _take_entry(self, slot: Slot, vbufs: range, state: str) -> bool:
+        """Put `slot` into the first of `vbufs` with a free entry, as reserved or occupied: Reserve
+        scans latest first, Occupy and restore earliest first."""
+        for vbuf in vbufs:
             buf = self._buffer(vbuf)
             if buf.free:
                 buf.free -= 1
-                buf.reserved.append(slot)
+                (buf.reserved if state == RESERVED else buf.occupied).append(slot)
                 slot.vbuf = vbuf
-                slot.state = RESERVED
+                slot.state = state
                 return True
         return False
 
@@ -105,15 +110,9 @@ class StaleFlowBuffers:
         if slot.state != RESERVED:
             expect(slot, RESERVED)
         hole = self._delete(slot, self.buffers[slot.vbuf].reserved)
-        for vbuf in range(self.next_buf, hole + 1):
-            buf = self._buffer(vbuf)  # a buffer nobody reserved in yet is all free
-            if buf.free:
-                buf.free -= 1
-                buf.occupied.append(slot)
-                slot.vbuf = vbuf
-                slot.state = OCCUPIED
-                return []
-        raise AssertionError("occupy found no free entry")  # the hole itself is free
+        if not self._take_entry(slot, range(self.next_buf, hole + 1), OCCUPIED):  # a fresh buffer is all free
+            raise AssertionError("occupy found no free entry")  # the hole itself is free
+        return []
 
     def release(self, slot: Slot) -> None:
         expect(slot, RESERVED, OCCUPIED)
@@ -176,15 +175,7 @@ class StaleFlowBuffers:
         self.next_buf = version
         dropped = []
         for slot in sorted(slots, key=lambda s: s.v_traj):
-            for vbuf in range(max(version, slot.v_traj), slot.v_traj + self.eta + 1):
-                buf = self._buffer(vbuf)
-                if buf.free:
-                    buf.free -= 1
-                    buf.occupied.append(slot)
-                    slot.vbuf = vbuf
-                    slot.state = OCCUPIED
-                    break
-            else:
+            if not self._take_entry(slot, range(max(version, slot.v_traj), slot.v_traj + self.eta + 1), OCCUPIED):
                 slot.vbuf = -1
                 slot.state = DROPPED
                 dropped.append(slot)
