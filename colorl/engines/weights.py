@@ -9,9 +9,8 @@ TILE_BYTES = 512 * 1024
 def copy_rows(target: torch.Tensor, row: int, block: torch.Tensor) -> None:
     """Write a row block into rows [row, row + len(block)) of a full-shape tensor, in place.
 
-    An engine may keep a weight transposed (the native engine's [in, out] layout): one strided
-    copy then walks the whole block column by column, several times slower than slices of
-    TILE_BYTES, which stay in cache.
+    An engine may keep a weight transposed ([in, out]): one strided copy then walks the whole
+    block column by column, several times slower than slices of TILE_BYTES, which stay in cache.
     """
     if target.dim() == 0:
         target.copy_(block.view(()))

@@ -85,3 +85,32 @@ def test_bucket_by_length_splits_only_when_padding_costs_more():
     assert bucket_by_length([10, 11, 12, 13], group_cost=256) == [4]
     assert bucket_by_length([10] * 8 + [1000], group_cost=256) == [8, 9]
     assert bucket_by_length([], group_cost=256) == []
+
+
+def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
+    """On CPU the projections use oneDNN over packed copies (kernels.py): they equal F.linear on
+    the plain weights, and an in-place write reaches them when the version is set."""
+    from colorl.engines.native.kernels import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN: the engine uses F.linear")
+    eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
+    assert eng.model.linears.enabled and eng.model.linears._packed  # packed at load
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    packed = eng.generate([GenerationRequest("a", PROMPTS[0], params)])[0]
+    eng.model.linears.enabled = False
+    plain = eng.generate([GenerationRequest("b", PROMPTS[0], params)])[0]
+    assert packed.output_ids == plain.output_ids
+    assert max(abs(a - b) for a, b in zip(packed.logprobs, plain.logprobs)) < 1e-4
+    eng.model.linears.enabled = True
+    with torch.no_grad():
+        eng.named_weights()["model.layers.0.mlp.down_proj.weight"].mul_(-4.0)
+    stale = eng.generate([GenerationRequest("c", PROMPTS[0], params)])[0]
+    gap = lambda x, y: max(abs(a - b) for a, b in zip(x.logprobs, y.logprobs))  # noqa: E731
+    assert gap(stale, packed) < 1e-4  # not yet: the writer has not set the version
+    eng.version += 1
+    fresh = eng.generate([GenerationRequest("d", PROMPTS[0], params)])[0]
+    eng.model.linears.enabled = False
+    expected = eng.generate([GenerationRequest("e", PROMPTS[0], params)])[0]
+    assert fresh.output_ids == expected.output_ids and gap(fresh, expected) < 1e-4
+    assert gap(fresh, packed) > 1e-2  # the write changed the model, and the packed copies followed

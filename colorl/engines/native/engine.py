@@ -8,6 +8,8 @@ Around it sit the RL controls the trainer needs and a serving engine usually hid
 - `abort`, `interrupt` (partial results back), resume by re-adding a request with its generated
   tokens (re-prefill, "recompute") or, with `interrupt(..., keep_kv=True)`, on its kept KV;
 - `update_weights` / `load_weights` in place at a step boundary; `version` stamps later tokens.
+  Writes through `named_weights()` take effect when `version` is next set (the checkpoint engine
+  always sets it): that is when the CPU matmuls' packed weights are refreshed (kernels.py).
   Running sequences keep their KV across an update (PipelineRL style); the prefix cache is
   dropped so no *new* request reuses KV computed by older weights;
 - `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`),
@@ -89,6 +91,7 @@ class NativeEngine(Engine):
         if value != self._version:
             self.blocks.reset_prefix_cache()  # new weights: cached prefixes are stale
         self._version = value
+        self.model.repack()  # setting the version is how a weight writer says it is done
 
     # ------------------------------------------------------------ requests
     def add(self, request: GenerationRequest) -> None:

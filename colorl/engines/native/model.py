@@ -3,11 +3,11 @@
 The math follows the Hugging Face modules of these families (RMSNorm in float32, RoPE tables as
 HF computes them, GQA, Qwen2's q/k/v bias, Qwen3's per-head q_norm/k_norm), and the weights are
 addressed by their Hugging Face names (`hf_weights`), so an HF folder or the trainer's state
-dict loads without conversion. Two layout choices, both invisible from outside:
-- matrices are stored input-major ([in, out], i.e. the HF weight transposed) because on CPU
-  `x @ W` with a contiguous [in, out] W is 1.3-2x faster than `x @ W.T` at decode batch sizes,
-  and q/k/v and gate/up are fused (one matmul instead of three / two). The HF-named tensors
-  (`hf_weights`) are [out, in] views of that storage, so in-place copies update what runs.
+dict loads without conversion. Layout choices, invisible from outside:
+- matrices keep the HF [out, in] layout, with q/k/v and gate/up fused (one matmul instead of
+  three / two): the HF-named tensors (`hf_weights`) are row slices of the fused storage, so
+  in-place copies update what runs. On CPU the products run through oneDNN over packed copies
+  of these matrices (`kernels.py`); `repack` refreshes them after the weights change.
 - tokens of one step are flattened across sequences ([T, ...]): every projection runs once over
   all of them; only attention is per group of sequences (see `AttentionGroup`).
 """
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colorl.engines.native.kernels import PackedLinears
 from colorl.engines.weights import copy_rows
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -193,19 +194,15 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
     return out if group.q_pad_index is None else out.index_select(0, group.q_pad_index)
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [T, in] @ weight_t: [in, out] (+ bias)."""
-    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
-
-
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
         super().__init__()
         self.spec = spec
+        self.linears = linears
         width = spec.q_size + 2 * spec.kv_size
-        self.w_qkv = nn.Parameter(torch.empty(spec.hidden_size, width))  # [hidden, q | k | v]
+        self.w_qkv = nn.Parameter(torch.empty(width, spec.hidden_size))  # [q | k | v, hidden]
         self.b_qkv = nn.Parameter(torch.zeros(width)) if spec.qkv_bias else None
-        self.w_o = nn.Parameter(torch.empty(spec.q_size, spec.hidden_size))
+        self.w_o = nn.Parameter(torch.empty(spec.hidden_size, spec.q_size))
         self.b_o = nn.Parameter(torch.zeros(spec.hidden_size)) if spec.o_bias else None
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -215,7 +212,7 @@ class Attention(nn.Module):
                 step: StepInputs) -> torch.Tensor:
         s = self.spec
         tokens = x.shape[0]
-        q, k, v = _linear(x, self.w_qkv, self.b_qkv).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q, k, v = self.linears.linear(x, self.w_qkv, self.b_qkv).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.view(tokens, s.num_heads, s.head_dim)  # [T, H, D]
         k = k.view(tokens, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.view(tokens, s.num_kv_heads, s.head_dim)
@@ -226,33 +223,34 @@ class Attention(nn.Module):
         # another sequence of the same step fills (prefix sharing within one step).
         cache.index_copy_(0, step.slot_mapping, torch.stack((k, v), dim=1))
         out = torch.cat([paged_attention(q[g.start:g.end], cache, g, self.scale) for g in step.groups])
-        return _linear(out, self.w_o, self.b_o)
+        return self.linears.linear(out, self.w_o, self.b_o)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
         inter = spec.intermediate_size
-        self.w_gate_up = nn.Parameter(torch.empty(spec.hidden_size, 2 * inter))  # [hidden, gate | up]
+        self.linears = linears
+        self.w_gate_up = nn.Parameter(torch.empty(2 * inter, spec.hidden_size))  # [gate | up, hidden]
         self.b_gate_up = nn.Parameter(torch.zeros(2 * inter)) if spec.mlp_bias else None
-        self.w_down = nn.Parameter(torch.empty(inter, spec.hidden_size))
+        self.w_down = nn.Parameter(torch.empty(spec.hidden_size, inter))
         self.b_down = nn.Parameter(torch.zeros(spec.hidden_size)) if spec.mlp_bias else None
         self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(x, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return _linear(self.act(gate) * up, self.w_down, self.b_down)
+        gate, up = self.linears.linear(x, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return self.linears.linear(self.act(gate) * up, self.w_down, self.b_down)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, linears)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, linears)
 
     def forward(self, x, cos, sin, cache, step):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, step)
@@ -263,31 +261,36 @@ class CausalLM(nn.Module):
     def __init__(self, config, spec: ModelSpec | None = None) -> None:
         super().__init__()
         self.spec = spec = spec or ModelSpec.from_hf_config(config)
-        self.embed_t = nn.Parameter(torch.empty(spec.hidden_size, spec.vocab_size))  # [hidden, V]
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.linears = PackedLinears()
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))  # [V, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(spec, self.linears) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head_t = None if spec.tie_word_embeddings else nn.Parameter(torch.empty(spec.hidden_size, spec.vocab_size))
+        self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
         self.rotary = Rotary(config, spec)
 
     def forward(self, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [layers, slots, 2, Hkv, D]. Returns float32 logits [N, V] for step.logit_rows."""
-        x = self.embed_t.index_select(1, step.input_ids).t().contiguous()  # [T, hidden]
+        x = self.embed.index_select(0, step.input_ids)  # [T, hidden]
         cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         for layer, cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, cache, step)
         x = self.norm(x.index_select(0, step.logit_rows))  # [N, hidden]
-        head = self.embed_t if self.lm_head_t is None else self.lm_head_t
-        return (x @ head).float()  # [N, V]
+        head = self.embed if self.lm_head is None else self.lm_head
+        return self.linears.linear(x, head, None).float()  # [N, V]
+
+    def repack(self) -> None:
+        """Refresh the packed matmul weights: call after writing into `hf_weights()` in place."""
+        self.linears.repack([p for p in self.parameters() if p.dim() == 2])
 
     # ------------------------------------------------------------ HF names
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Every weight under its Hugging Face name and [out, in] shape: views of the storage the
-        model computes with (transposed, and for q/k/v and gate/up slices of a fused matrix)."""
+        model computes with (for q/k/v and gate/up, row slices of a fused matrix)."""
         s = self.spec
-        out = {"model.embed_tokens.weight": self.embed_t.data.t(), "model.norm.weight": self.norm.weight.data}
-        if self.lm_head_t is not None:
-            out["lm_head.weight"] = self.lm_head_t.data.t()
+        out = {"model.embed_tokens.weight": self.embed.data, "model.norm.weight": self.norm.weight.data}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.data
         q, kv, inter = s.q_size, s.kv_size, s.intermediate_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -295,20 +298,20 @@ class CausalLM(nn.Module):
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
             for name, cols in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
-                out[p + f"self_attn.{name}.weight"] = attn.w_qkv.data[:, cols].t()
+                out[p + f"self_attn.{name}.weight"] = attn.w_qkv.data[cols]
                 if attn.b_qkv is not None:
                     out[p + f"self_attn.{name}.bias"] = attn.b_qkv.data[cols]
-            out[p + "self_attn.o_proj.weight"] = attn.w_o.data.t()
+            out[p + "self_attn.o_proj.weight"] = attn.w_o.data
             if attn.b_o is not None:
                 out[p + "self_attn.o_proj.bias"] = attn.b_o.data
             if attn.q_norm is not None:
                 out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.data
                 out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.data
             for name, cols in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-                out[p + f"mlp.{name}.weight"] = mlp.w_gate_up.data[:, cols].t()
+                out[p + f"mlp.{name}.weight"] = mlp.w_gate_up.data[cols]
                 if mlp.b_gate_up is not None:
                     out[p + f"mlp.{name}.bias"] = mlp.b_gate_up.data[cols]
-            out[p + "mlp.down_proj.weight"] = mlp.w_down.data.t()
+            out[p + "mlp.down_proj.weight"] = mlp.w_down.data
             if mlp.b_down is not None:
                 out[p + "mlp.down_proj.bias"] = mlp.b_down.data
         return out
@@ -328,11 +331,12 @@ class CausalLM(nn.Module):
             target = targets[name]
             if tensor.shape != target.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            copy_rows(target, 0, tensor)  # the engine's weights are transposed views
+            copy_rows(target, 0, tensor)
             seen.add(name)
         missing = targets.keys() - seen
         if strict and missing:
             raise KeyError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
+        self.repack()
 
 
 def _ignorable(name: str, spec: ModelSpec) -> bool:

@@ -66,7 +66,8 @@ class Sampler:
         for group, use_filters in ((plain, False), (filtered, True)):
             if group:
                 index = torch.tensor(group, device=logits.device)
-                chosen, logp = self._sample(logits.index_select(0, index), [rows[i] for i in group], use_filters)
+                picked = logits if len(group) == len(rows) else logits.index_select(0, index)  # all rows: no copy
+                chosen, logp = self._sample(picked, [rows[i] for i in group], use_filters)
                 tokens[index] = chosen
                 logps[index] = logp
         return tokens.tolist(), logps.tolist()
@@ -96,7 +97,9 @@ class Sampler:
         if pad:
             weights = torch.nn.functional.pad(weights, (0, pad))
         blocks = weights.view(n, -1, chunk)  # [N, C, chunk]
-        block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [N, C]
+        # Block sums in float32 (256 terms in [0, 1]: relative error ~1e-7), their running total
+        # in float64; a float64 copy of all [N, V] weights costs more than the rest of the sampler.
+        block_cdf = blocks.sum(-1).double().cumsum(-1)  # [N, C]
         target = u * block_cdf[:, -1:]  # [N, 1]
         block = torch.searchsorted(block_cdf, target).clamp_(max=block_cdf.shape[1] - 1)  # [N, 1]
         before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_(min=0)), 0.0)

@@ -1,0 +1,76 @@
+"""The matmul kernels behind the native engine, side by side: MKL (torch's fp32 `aten::mm` on CPU)
+against oneDNN over a packed weight (colorl/engines/native/kernels.py), on SmolLM2-135M's shapes.
+
+For each row count M (decode batch sizes, and a training-sized 2048) and thread count, both
+kernels run every projection of the 30 layers (distinct weights, as in the model, so they do not
+sit in cache) plus the LM head, interleaved over rounds; the table gives GFLOP/s and the speed-up.
+
+    python bench/kernels.py [--rounds 3] [--rows 1,4,8,32,2048] [--threads 1,2]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in]
+
+
+def timed(fn, min_s: float = 0.5) -> float:
+    fn()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < min_s:
+        fn()
+        done += 1
+    return (time.perf_counter() - started) / done
+
+
+def main() -> None:
+    from colorl.engines.native.kernels import PACK_ROWS_HINT, onednn_available
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="1,4,8,32,2048")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if not onednn_available():
+        raise SystemExit("this torch has no oneDNN")
+    weights = [torch.randn(out, inp) for _ in range(LAYERS) for out, inp in SHAPES] + [torch.randn(VOCAB, HIDDEN)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
+    rows_out = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for m in [int(r) for r in args.rows.split(",")]:
+            inputs = {inp: torch.randn(m, inp) for _, inp in SHAPES + [(VOCAB, HIDDEN)]}
+            flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
+            mkl = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
+            dnnl = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: E731
+                            for w, p in zip(weights, packed)]
+            times = {"mkl": [], "onednn": []}
+            for _ in range(args.rounds):
+                times["mkl"].append(timed(mkl))
+                times["onednn"].append(timed(dnnl))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rows_out.append({"threads": threads, "rows": m, "mkl_ms": med["mkl"] * 1e3, "onednn_ms": med["onednn"] * 1e3,
+                             "mkl_gflops": flops / med["mkl"] / 1e9, "onednn_gflops": flops / med["onednn"] / 1e9,
+                             "speedup": med["mkl"] / med["onednn"]})
+            r = rows_out[-1]
+            print(f"threads {threads} rows {m:5d}: MKL {r['mkl_ms']:8.1f} ms ({r['mkl_gflops']:5.0f} GFLOP/s)   "
+                  f"oneDNN packed {r['onednn_ms']:8.1f} ms ({r['onednn_gflops']:5.0f} GFLOP/s)   {r['speedup']:.2f}x", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                                          "rounds": args.rounds, "results": rows_out}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
