@@ -67,7 +67,9 @@ def main() -> None:
             print(f"threads {threads} rows {m:5d}: MKL {r['mkl_ms']:8.1f} ms ({r['mkl_gflops']:5.0f} GFLOP/s)   "
                   f"oneDNN packed {r['onednn_ms']:8.1f} ms ({r['onednn_gflops']:5.0f} GFLOP/s)   {r['speedup']:.2f}x", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpu": cpu,
                                           "rounds": args.rounds, "results": rows_out}, indent=1))
     print(f"wrote {args.out}")
 
