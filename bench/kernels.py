@@ -1,5 +1,5 @@
 """The matmul kernels behind the native engine, side by side: MKL (torch's fp32 `aten::mm` on CPU)
-against oneDNN over a packed weight (colorl/engines/native/kernels.py), on SmolLM2-135M's shapes.
+against oneDNN over a packed weight (colorl/kernels.py), on SmolLM2-135M's shapes.
 
 For each row count M (decode batch sizes, and a training-sized 2048) and thread count, both
 kernels run every projection of the 30 layers (distinct weights, as in the model, so they do not
@@ -34,7 +34,7 @@ def timed(fn, min_s: float = 0.5) -> float:
 
 
 def main() -> None:
-    from colorl.engines.native.kernels import PACK_ROWS_HINT, onednn_available
+    from colorl.kernels import PACK_ROWS_HINT, onednn_available
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)

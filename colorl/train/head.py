@@ -8,8 +8,8 @@ the saved hidden states (one extra [chunk, H] x [H, V] matmul) instead of keepin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from colorl.kernels import linear
 from colorl.train.packing import MicroBatch
 
 
@@ -23,7 +23,7 @@ class SampledTokenHead(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         log_norm = torch.empty_like(logp)
         for s in range(0, k, chunk):
-            logits = F.linear(hidden[s:s + chunk], weight).float() / temperature  # [c, V]
+            logits = linear(hidden[s:s + chunk], weight).float() / temperature  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             logp[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse
             entropy[s:s + chunk] = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
@@ -41,15 +41,15 @@ class SampledTokenHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h, g = hidden[s:s + ctx.chunk], grad_logp[s:s + ctx.chunk]
-            logits = F.linear(h, weight).float() / ctx.temperature  # [c, V]
+            logits = linear(h, weight).float() / ctx.temperature  # [c, V]
             # d logp / d logits = onehot(target) − softmax; then through the 1/temperature
             grad_logits = logits.sub_(log_norm[s:s + ctx.chunk, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(1, targets[s:s + ctx.chunk, None], g[:, None])
             grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
             if need_hidden:
-                grad_hidden[s:s + ctx.chunk] = grad_logits @ weight
+                grad_hidden[s:s + ctx.chunk] = linear(grad_logits, weight.t())  # dlogits W
             if need_weight:
-                grad_weight.addmm_(grad_logits.t().float(), h.float())  # fp32 sum over chunks
+                grad_weight += linear(grad_logits.t().float(), h.float().t())  # dlogits^T h, fp32 sum over chunks
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

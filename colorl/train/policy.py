@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colorl.kernels import use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention
 from colorl.train.fsdp import add_forward_method, make_mesh, shard_model
@@ -76,6 +77,8 @@ class PolicyTrainer:
     def _load(self, model_dir: Path, dtype: torch.dtype):
         model = load_model(model_dir, dtype)
         model.set_attn_implementation(packed_attention(self.device))
+        if torch.device(self.device).type == "cpu":
+            use_onednn_linears(model)  # MKL's CPU sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
         return model
 
     def _shard(self, model):

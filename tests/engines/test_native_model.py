@@ -88,9 +88,9 @@ def test_bucket_by_length_splits_only_when_padding_costs_more():
 
 
 def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
-    """On CPU the projections use oneDNN over packed copies (kernels.py): they equal F.linear on
+    """On CPU the projections use oneDNN over packed copies (colorl/kernels.py): they equal F.linear on
     the plain weights, and an in-place write reaches them when the version is set."""
-    from colorl.engines.native.kernels import onednn_available
+    from colorl.kernels import onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN: the engine uses F.linear")

@@ -9,7 +9,7 @@ Around it sit the RL controls the trainer needs and a serving engine usually hid
   tokens (re-prefill, "recompute") or, with `interrupt(..., keep_kv=True)`, on its kept KV;
 - `update_weights` / `load_weights` in place at a step boundary; `version` stamps later tokens.
   Writes through `named_weights()` take effect when `version` is next set (the checkpoint engine
-  always sets it): that is when the CPU matmuls' packed weights are refreshed (kernels.py).
+  always sets it): that is when the CPU matmuls' packed weights are refreshed (colorl/kernels.py).
   Running sequences keep their KV across an update (PipelineRL style); the prefix cache is
   dropped so no *new* request reuses KV computed by older weights;
 - `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`),

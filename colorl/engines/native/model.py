@@ -7,7 +7,7 @@ dict loads without conversion. Layout choices, invisible from outside:
 - matrices keep the HF [out, in] layout, with q/k/v and gate/up fused (one matmul instead of
   three / two): the HF-named tensors (`hf_weights`) are row slices of the fused storage, so
   in-place copies update what runs. On CPU the products run through oneDNN over packed copies
-  of these matrices (`kernels.py`); `repack` refreshes them after the weights change.
+  of these matrices (`colorl/kernels.py`); `repack` refreshes them after the weights change.
 - tokens of one step are flattened across sequences ([T, ...]): every projection runs once over
   all of them; only attention is per group of sequences (see `AttentionGroup`).
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colorl.engines.native.kernels import PackedLinears
+from colorl.kernels import PackedLinears
 from colorl.engines.weights import copy_rows
 
 FAMILIES = ("llama", "qwen2", "qwen3")

@@ -1,0 +1,50 @@
+"""colorl/kernels.py: the oneDNN products equal torch's, values and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colorl.kernels import OneDNNLinear, linear, onednn_available, use_onednn_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_matches_f_linear_forward_and_backward(dtype, tol, bias):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 37, 24, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(40, 24, generator=gen).to(dtype).requires_grad_()
+    b = torch.randn(40, generator=gen).to(dtype).requires_grad_() if bias else None
+    grad = torch.randn(3, 37, 40, generator=gen).to(dtype)
+    inputs = (x, w) + ((b,) if bias else ())
+    expected = torch.nn.functional.linear(x, w, b)
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+    got = OneDNNLinear.apply(x, w, b)
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    rel = lambda a, e: ((a.float() - e.float()).abs().max() / e.float().abs().max()).item()  # noqa: E731
+    assert rel(got, expected) < tol
+    for g, e in zip(got_grads, expected_grads):
+        assert g.shape == e.shape and rel(g, e) < tol
+
+
+def test_frozen_weight_gets_no_gradient_and_strided_operands_work():
+    x = torch.randn(16, 8).t().requires_grad_()  # [8, 16], non-contiguous
+    w = torch.randn(16, 12).t()  # [12, 16] view: frozen
+    out = OneDNNLinear.apply(x, w, None)
+    (gx,) = torch.autograd.grad(out.sum(), (x,))
+    assert torch.allclose(out, x @ w.t(), atol=1e-5) and torch.allclose(gx, torch.ones(8, 12) @ w, atol=1e-5)
+    assert torch.allclose(linear(x.detach(), w), x.detach() @ w.t(), atol=1e-5)
+
+
+def test_use_onednn_linears_switches_plain_linears_and_keeps_training_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+    reference = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+    reference.load_state_dict(model.state_dict())
+    assert use_onednn_linears(model) == 2
+    x = torch.randn(7, 10)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
