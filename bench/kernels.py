@@ -3,7 +3,11 @@ against oneDNN over a packed weight (colorl/kernels.py), on SmolLM2-135M's shape
 
 For each row count M (decode batch sizes, and a training-sized 2048) and thread count, both
 kernels run every projection of the 30 layers (distinct weights, as in the model, so they do not
-sit in cache) plus the LM head, interleaved over rounds; the table gives GFLOP/s and the speed-up.
+sit in cache) plus the LM head, interleaved over rounds; the table gives GFLOP/s and the speed-up,
+and the physical floor of those products: the larger of reading every weight once at the measured
+read bandwidth and their FLOPs at the best rate either kernel reaches on a 2048² product
+(bench/step.py's `matmul_rate` and `read_bandwidth`: the physical floor it holds the rollout to). `oneDNN / floor` is how far the fastest
+kernel alone, with no attention, sampling or Python around it, stays above that floor.
 
     python bench/kernels.py [--rounds 3] [--rows 1,4,8,32,2048] [--threads 1,2]
 """
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from step import matmul_rate, read_bandwidth  # the floor bench/step.py holds the rollout to
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -38,7 +43,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="1,4,8,32,2048")
+    parser.add_argument("--rows", default="1,4,8,16,24,32,2048")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -46,9 +51,12 @@ def main() -> None:
         raise SystemExit("this torch has no oneDNN")
     weights = [torch.randn(out, inp) for _ in range(LAYERS) for out, inp in SHAPES] + [torch.randn(VOCAB, HIDDEN)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
-    rows_out = []
+    weight_bytes = sum(w.nbytes for w in weights)
+    rows_out, floors = [], []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
+        bandwidth, rate = read_bandwidth(), matmul_rate()
+        floors.append({"threads": threads, "read_gb_s": bandwidth / 1e9, "matmul_gflops": rate / 1e9})
         for m in [int(r) for r in args.rows.split(",")]:
             inputs = {inp: torch.randn(m, inp) for _, inp in SHAPES + [(VOCAB, HIDDEN)]}
             flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
@@ -64,13 +72,18 @@ def main() -> None:
                              "mkl_gflops": flops / med["mkl"] / 1e9, "onednn_gflops": flops / med["onednn"] / 1e9,
                              "speedup": med["mkl"] / med["onednn"]})
             r = rows_out[-1]
+            r["floor_ms"] = max(flops / rate, weight_bytes / bandwidth) * 1e3
+            r["onednn_over_floor"] = r["onednn_ms"] / r["floor_ms"]
             print(f"threads {threads} rows {m:5d}: MKL {r['mkl_ms']:8.1f} ms ({r['mkl_gflops']:5.0f} GFLOP/s)   "
                   f"oneDNN packed {r['onednn_ms']:8.1f} ms ({r['onednn_gflops']:5.0f} GFLOP/s)   {r['speedup']:.2f}x", flush=True)
+        print(f"threads {threads}: read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul rate {rate / 1e9:.0f} GFLOP/s; " + ", ".join(
+            f"rows {row['rows']}: oneDNN {row['onednn_over_floor']:.2f}x its floor ({row['floor_ms']:.1f} ms)"
+            for row in rows_out if row["threads"] == threads and "floor_ms" in row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
     Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpu": cpu,
-                                          "rounds": args.rounds, "results": rows_out}, indent=1))
+                                          "rounds": args.rounds, "floors": floors, "results": rows_out}, indent=1))
     print(f"wrote {args.out}")
 
 
