@@ -17,10 +17,13 @@ strides), the op torch's own CPU inductor uses for linears.
   backward is two more products of the same op (dX = dY W, dW = dY^T X); at training sizes the
   unpacked weight costs nothing measurable.
 
-Everything else (CUDA, float16, a torch without oneDNN) runs `F.linear` / torch's matmuls.
+Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple silicon torch's
+own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / torch's matmuls.
 """
 from __future__ import annotations
 
+import os
+import platform
 import types
 
 import torch
@@ -32,10 +35,17 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's linear ops are in this torch and this is an x86 CPU (where MKL is the alternative)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and platform.machine().lower() in ("x86_64", "amd64"))
 
 
-_AVAILABLE = onednn_available()
+_AVAILABLE = onednn_available() and os.environ.get("COLORL_ONEDNN", "1") != "0"
+
+
+def onednn_enabled() -> bool:
+    """colorl routes its CPU products through oneDNN in this process."""
+    return _AVAILABLE
 
 
 def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

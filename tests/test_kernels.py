@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colorl.kernels import OneDNNLinear, linear, onednn_available, use_onednn_linears
+from colorl.kernels import OneDNNLinear, linear, onednn_enabled, use_onednn_linears
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN off (not in this torch, not x86, or COLORL_ONEDNN=0)")
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -90,10 +90,10 @@ def test_bucket_by_length_splits_only_when_padding_costs_more():
 def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
     """On CPU the projections use oneDNN over packed copies (colorl/kernels.py): they equal F.linear on
     the plain weights, and an in-place write reaches them when the version is set."""
-    from colorl.kernels import onednn_available
+    from colorl.kernels import onednn_enabled
 
-    if not onednn_available():
-        pytest.skip("this torch has no oneDNN: the engine uses F.linear")
+    if not onednn_enabled():
+        pytest.skip("oneDNN off: the engine uses F.linear")
     eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
     assert eng.model.linears.enabled and eng.model.linears._packed  # packed at load
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
