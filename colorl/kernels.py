@@ -90,13 +90,14 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def use_onednn_linears(model: torch.nn.Module) -> int:
-    """Route every plain nn.Linear of `model` through `OneDNNLinear` (when inputs are CPU fp32/bf16).
+def use_onednn_linears(model: torch.nn.Module, device: str | torch.device) -> int:
+    """Route every plain nn.Linear of `model` through `OneDNNLinear` when it will run on a CPU
+    `device` (inputs of other dtypes still take F.linear).
 
     Per instance, before FSDP wraps the model: its hooks run around `forward` as before. Returns
-    how many modules were switched (0 without oneDNN).
+    how many modules were switched (0 without oneDNN or off the CPU).
     """
-    if not _AVAILABLE:
+    if not _AVAILABLE or torch.device(device).type != "cpu":
         return 0
     switched = 0
     for module in model.modules():
@@ -117,11 +118,15 @@ class PackedLinears:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
         if not (self.enabled and _runs_on_onednn(x, weight)):
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._lookup(weight), bias, "none", [], "")
+        return linear(x, self._lookup(weight), bias)
+
+    def clear(self) -> None:
+        """Forget every packed copy (the weights changed); each is packed again when next used."""
+        self._packed.clear()
 
     def repack(self, weights: list[torch.Tensor]) -> None:
-        """Drop every packed copy and pack `weights` again (their values changed in place)."""
-        self._packed.clear()
+        """Pack `weights` again now (their values changed in place)."""
+        self.clear()
         for weight in weights:
             if self.enabled and _runs_on_onednn(weight, weight):
                 self._lookup(weight)

@@ -27,8 +27,7 @@ class HFEngine(Engine):
     def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_batch: int | None = None) -> None:
         self.model = load_model(Path(model_dir), dtype).to(device).eval()
-        if torch.device(device).type == "cpu":
-            use_onednn_linears(self.model)  # the same CPU products as the native engine (colorl/kernels.py)
+        use_onednn_linears(self.model, device)  # on CPU, the native engine's products (colorl/kernels.py)
         self.device = device
         self.max_batch = max_batch or engine_cfg.max_num_seqs
         self.eos_id = self.model.generation_config.eos_token_id

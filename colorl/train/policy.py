@@ -77,8 +77,7 @@ class PolicyTrainer:
     def _load(self, model_dir: Path, dtype: torch.dtype):
         model = load_model(model_dir, dtype)
         model.set_attn_implementation(packed_attention(self.device))
-        if torch.device(self.device).type == "cpu":
-            use_onednn_linears(model)  # MKL's CPU sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
+        use_onednn_linears(model, self.device)  # on CPU: MKL's sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
         return model
 
     def _shard(self, model):

@@ -63,6 +63,7 @@ class NativeEngine(Engine):
                 source = model.items()
             self.model.load_hf_weights(source)
         self.model.eval()
+        self.model.repack()
         self.spec = self.model.spec
         self.eos_ids = _eos_ids(config, None if model_dir is None else Path(model_dir))
 

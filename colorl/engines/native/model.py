@@ -336,7 +336,7 @@ class CausalLM(nn.Module):
         missing = targets.keys() - seen
         if strict and missing:
             raise KeyError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
-        self.repack()
+        self.linears.clear()  # packed again by `repack` (the engine's version setter) or on first use
 
 
 def _ignorable(name: str, spec: ModelSpec) -> bool:
