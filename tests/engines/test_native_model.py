@@ -96,6 +96,10 @@ def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
         pytest.skip("oneDNN off: the engine uses F.linear")
     eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
     assert eng.model.linears.enabled and eng.model.linears._packed  # packed at load
+    model = eng.model
+    used = [p for layer in model.layers for p in layer.parameters() if p.dim() == 2]
+    used.append(model.embed if model.lm_head is None else model.lm_head)
+    assert set(model.linears._packed) == {id(p) for p in used}  # an untied embedding is never packed
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     packed = eng.generate([GenerationRequest("a", PROMPTS[0], params)])[0]
     eng.model.linears.enabled = False

@@ -276,12 +276,16 @@ class CausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, cache, step)
         x = self.norm(x.index_select(0, step.logit_rows))  # [N, hidden]
-        head = self.embed if self.lm_head is None else self.lm_head
-        return self.linears.linear(x, head, None).float()  # [N, V]
+        return self.linears.linear(x, self._head(), None).float()  # [N, V]
+
+    def _head(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
 
     def repack(self) -> None:
-        """Refresh the packed matmul weights: call after writing into `hf_weights()` in place."""
-        self.linears.repack([p for p in self.parameters() if p.dim() == 2])
+        """Refresh the packed matmul weights: call after writing into `hf_weights()` in place.
+        Only the matrices products use: an untied embedding is only looked up, never packed."""
+        products = [p for layer in self.layers for p in layer.parameters() if p.dim() == 2]
+        self.linears.repack(products + [self._head()])
 
     # ------------------------------------------------------------ HF names
     def hf_weights(self) -> dict[str, torch.Tensor]:
