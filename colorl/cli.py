@@ -15,6 +15,7 @@ from rich.panel import Panel
 
 from colorl.bench.command import add_bench_parser
 from colorl.plan import add_plan_parser
+from colorl.preflight import MachineCheckFailed, check_devices, check_resume, preflight
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
@@ -36,29 +37,10 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
-def _check_devices(requested: str, nproc: int, engine: str = "native") -> str:
-    """The device the ranks use; `nproc`: ranks on this host. SGLang needs CUDA and its package."""
-    import torch
-
-    if engine == "sglang":
-        from colorl.engines.sglang import unavailable_reason
-
-        reason = unavailable_reason()
-        if reason:
-            raise ValueError(reason)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("launch.device=cuda: no CUDA device is available here; use --device cpu")
-    if device == "cuda" and nproc > torch.cuda.device_count():
-        raise ValueError(f"launch.nproc={nproc}: only {torch.cuda.device_count()} CUDA devices here")
-    return device
-
-
 def cmd_train(args) -> int:
     started = time.perf_counter()
-    from colorl.config import ConfigError, dump_config, load_config
+    from colorl.config import ConfigError, load_config
     from colorl.launch import TorchrunRank
-    from colorl.plan import engine_check_note
     from colorl.tasks import TaskOptionError, build_task
 
     spot = TorchrunRank.from_env()
@@ -74,33 +56,22 @@ def cmd_train(args) -> int:
         task = build_task(cfg.task, cfg.run.seed)  # task options and dataset files, before any process starts
     except (ConfigError, TaskOptionError, ValueError) as exc:
         return fail(str(exc))
-    for note in getattr(task, "notes", list)():
-        print(f"colorl: warning: {note}", file=sys.stderr)
+    _warn(getattr(task, "notes", list)())
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.dir) / cfg.run.name
-    if args.dry_run:  # a config for another machine (e.g. 8 GPUs) validates here without its devices
-        print(dump_config(cfg), end="")
-        print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
-        note = engine_check_note(cfg)
-        if note:
-            print(f"# {note}")
-        return 0
+    args.resume = args.resume or args.resume_from_last_good
+    if args.dry_run:
+        return _dry_run(cfg, run_dir, args, spot)
     try:
-        device = _check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
+        device = check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
     except ValueError as exc:
         return fail(str(exc))
-    from colorl.train.checkpoint import resume_step
     from colorl.worker import prepare_run_dir, run_rank
-
-    args.resume = args.resume or args.resume_from_last_good
 
     def prepare() -> None:
         """Rank 0's checks before any rank starts (under torchrun, in place); ValueError: one line."""
-        preflight(cfg, device)
+        _warn(preflight(cfg, device))
         if args.resume:
-            step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
-            for note in notes:
-                print(f"colorl: {note}", file=sys.stderr)
-            check_resume(cfg, run_dir, step, args.force)
+            _check_resume_point(cfg, run_dir, args)
         prepare_run_dir(cfg, run_dir, args.resume)
 
     rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
@@ -129,22 +100,44 @@ def cmd_train(args) -> int:
     return fail(f"run failed on rank {failure.rank}; run directory kept: {run_dir}", EXIT_RUN_FAILED)
 
 
-def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
-    """Refuse (ConfigError, one line) a resume whose changed keys alter the data or the shapes, unless
-    forced; list the other changes; say at once what is being loaded."""
-    from colorl.config import ConfigError
-    from colorl.resume import config_changes, last_config
-    from colorl.train.checkpoint import checkpoint_dir
+def _dry_run(cfg, run_dir: Path, args, spot) -> int:
+    """Every launch check, nothing started or written. A config for another machine (e.g. 8 GPUs)
+    validates here: what only its devices can answer is a warning, not an error."""
+    from colorl.config import ConfigError, dump_config
+    from colorl.plan import engine_check_note
 
-    previous = last_config(run_dir)
-    refused, warned = config_changes(previous, cfg.model_dump(mode="json")) if previous else ([], [])
-    if refused and not force:
-        raise ConfigError(f"--resume: these changes alter the data or the shapes of {run_dir}: "
-                          f"{'; '.join(map(str, refused))} (pass --force to resume anyway)")
-    for change in (refused if force else []) + warned:
-        print(f"colorl: warning: --resume with a changed key: {change}", file=sys.stderr)
-    print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} "
-          f"(weights, optimizer state, RNG states, data position)", flush=True)
+    try:
+        device = check_devices(cfg.launch.device, spot.local_world if spot else cfg.launch.nproc, cfg.rollout.engine)
+        here = True
+    except MachineCheckFailed as exc:
+        print(f"colorl: warning: this machine could not launch it: {exc}", file=sys.stderr)
+        device, here = cfg.launch.device if cfg.launch.device != "auto" else "cpu", False
+    try:
+        _warn(preflight(cfg, device, here))
+        if args.resume:
+            _check_resume_point(cfg, run_dir, args)
+    except (ConfigError, ValueError, OSError) as exc:
+        return fail(str(exc))
+    print(dump_config(cfg), end="")
+    print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+    note = engine_check_note(cfg)
+    if note:
+        print(f"# {note}")
+    return 0
+
+
+def _check_resume_point(cfg, run_dir: Path, args) -> None:
+    from colorl.train.checkpoint import resume_step
+
+    step, notes = resume_step(run_dir, fall_back=args.resume_from_last_good)
+    for note in notes:
+        print(f"colorl: {note}", file=sys.stderr)
+    check_resume(cfg, run_dir, step, args.force)
+
+
+def _warn(notes: list[str]) -> None:
+    for note in notes:
+        print(f"colorl: warning: {note}", file=sys.stderr)
 
 
 def _finished(cfg, run_dir: Path, config: str, wall_s: float) -> int:
@@ -169,60 +162,6 @@ def _readable(error: str, frames: int = 20) -> str:
     if len(lines) > frames:
         lines = ["  ..."] + lines[-frames:]
     return "\n".join([head, ""] + lines) if lines else head
-
-
-def preflight(cfg, device: str = "cpu") -> None:
-    """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
-    load its tokenizer, apply the chat template, draw a problem; on CUDA, the memory plan."""
-    from colorl.config import ConfigError
-    from colorl.models import (
-        SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, encode_chat, load_tokenizer, resolve_model_path,
-    )
-    from colorl.tasks import build_task
-
-    cached = cache_root() / "models" / cfg.model.path
-    building = cfg.model.path in (SMOLLM2_ALIAS, TINY_ALIAS) and not (cached / "config.json").is_file()
-    if building:
-        print(f"preparing {cfg.model.path} once: writing a Hugging Face folder to {cached} ...", flush=True)
-    started = time.perf_counter()
-    try:
-        model_dir = resolve_model_path(cfg.model.path)
-    except ModelNotFound as exc:
-        raise ConfigError(str(exc)) from None
-    if building:
-        print(f"prepared {cfg.model.path} in {time.perf_counter() - started:.0f} s (later runs reuse it)", flush=True)
-    task = build_task(cfg.task, cfg.run.seed)
-    problems = [task.train_problem(i) for i in range(PROMPTS_CHECKED)] + task.eval_problems(cfg.run.eval_prompts)
-    tokenizer = load_tokenizer(model_dir)
-    try:
-        longest = max(len(encode_chat(tokenizer, p.prompt, cfg.model.system_prompt)) for p in problems)
-    except Exception as exc:  # tokenizer / template errors come in many types
-        raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    context = _context_length(model_dir)
-    if context is not None and longest + cfg.rollout.max_new_tokens > context:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with the longest prompt "
-                          f"({longest} tokens) it exceeds the model's context of {context} tokens; "
-                          f"use at most {context - longest}")
-
-    if device == "cuda":
-        import torch
-
-        from colorl.plan import plan_for_run
-
-        plan = plan_for_run(cfg, model_dir, torch.cuda.get_device_properties(0).total_memory)
-        if not plan.fits:
-            print(plan.render(), file=sys.stderr)
-            raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
-
-
-PROMPTS_CHECKED = 256  # training prompts whose length is checked against the context before launch
-
-
-def _context_length(model_dir: Path) -> int | None:
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
 
 
 def cmd_export(args) -> int:

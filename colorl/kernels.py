@@ -17,11 +17,16 @@ strides), the op torch's own CPU inductor uses for linears.
   backward is two more products of the same op (dX = dY W, dW = dY^T X); at training sizes the
   unpacked weight costs nothing measurable.
 
+Which dtypes oneDNN takes is asked of this machine, not assumed: one tiny product of each dtype
+(packed and plain) runs once per process (`onednn_dtypes`). torch's own bf16 checks read the CPU's
+flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
+holds an AVX-512 machine to the same), so a dtype that fails the probe takes torch's kernels.
 Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple silicon torch's
 own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / torch's matmuls.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import types
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 
 # oneDNN picks its blocked layout for a typical row count; any row count runs on it.
 PACK_ROWS_HINT = 32
-_DTYPES = (torch.float32, torch.bfloat16)
+_CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def onednn_available() -> bool:
@@ -44,13 +49,37 @@ _AVAILABLE = onednn_available() and os.environ.get("COLORL_ONEDNN", "1") != "0"
 
 
 def onednn_enabled() -> bool:
-    """colorl routes its CPU products through oneDNN in this process."""
-    return _AVAILABLE
+    """colorl routes some of its CPU products (at least one dtype) through oneDNN in this process."""
+    return bool(onednn_dtypes())
+
+
+def _product_runs(dtype: torch.dtype) -> bool:
+    """One tiny product of `dtype` through both oneDNN ops colorl uses, checked against F.linear."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=gen).to(dtype)
+    weight = torch.randn(8, 16, generator=gen).to(dtype)
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            results = [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in (weight, packed)]
+    except RuntimeError:  # "could not create a primitive descriptor", "bf16 path needs ..."
+        return False
+    expected = F.linear(x.float(), weight.float())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return all(torch.allclose(r.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()) for r in results)
+
+
+@functools.cache
+def onednn_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes whose products colorl sends to oneDNN in this process (probed once)."""
+    if not _AVAILABLE:
+        return frozenset()
+    return frozenset(dtype for dtype in _CANDIDATE_DTYPES if _product_runs(dtype))
 
 
 def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == weight.dtype and weight.dtype in _DTYPES)
+            and x.dtype == weight.dtype and weight.dtype in onednn_dtypes())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,7 +126,7 @@ def use_onednn_linears(model: torch.nn.Module, device: str | torch.device) -> in
     Per instance, before FSDP wraps the model: its hooks run around `forward` as before. Returns
     how many modules were switched (0 without oneDNN or off the CPU).
     """
-    if not _AVAILABLE or torch.device(device).type != "cpu":
+    if not onednn_enabled() or torch.device(device).type != "cpu":
         return 0
     switched = 0
     for module in model.modules():

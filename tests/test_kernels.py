@@ -1,10 +1,15 @@
-"""colorl/kernels.py: the oneDNN products equal torch's, values and gradients."""
+"""colorl/kernels.py: the oneDNN products equal torch's, values and gradients, and each dtype
+takes oneDNN only where this machine's oneDNN really runs it."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from colorl.kernels import OneDNNLinear, linear, onednn_enabled, use_onednn_linears
+from colorl.kernels import PACK_ROWS_HINT, OneDNNLinear, linear, onednn_available, onednn_dtypes, onednn_enabled, use_onednn_linears
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN off (not in this torch, not x86, or COLORL_ONEDNN=0)")
 
@@ -12,6 +17,7 @@ pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN off (not in
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_matches_f_linear_forward_and_backward(dtype, tol, bias):
+    """Where oneDNN refuses `dtype` (bf16 on an AVX2-only CPU) the same call runs torch's kernels."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 37, 24, generator=gen).to(dtype).requires_grad_()
     w = torch.randn(40, 24, generator=gen).to(dtype).requires_grad_()
@@ -49,3 +55,30 @@ def test_use_onednn_linears_switches_plain_linears_and_keeps_training_exact():
     reference(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_says_what_onednn_really_runs(dtype):
+    """A dtype is routed to oneDNN exactly when oneDNN's packed and plain products run for it here."""
+    x, weight = torch.randn(2, 16).to(dtype), torch.randn(8, 16).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        runs = True
+    except RuntimeError:
+        runs = False
+    assert (dtype in onednn_dtypes()) == runs
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear ops in this torch or not an x86 CPU")
+def test_onednn_held_to_avx2_keeps_fp32_and_gives_bf16_to_torch():
+    """An AVX-512 machine held to AVX2 answers like an AVX2-only CPU: no bf16 path in oneDNN, and a bf16
+    product still runs (torch's kernels) and matches fp32."""
+    code = ("import torch; from colorl.kernels import onednn_dtypes, linear;"
+            "x, w = torch.randn(5, 32), torch.randn(12, 32);"
+            "err = (linear(x.bfloat16(), w.bfloat16()).float() - linear(x, w)).abs().max().item();"
+            "print(sorted(str(d) for d in onednn_dtypes()), err < 0.1)")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "COLORL_ONEDNN": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['torch.float32']", "True"]
