@@ -94,13 +94,14 @@ class RankContext:
         return predicted_staleness_for(self.cfg, rho, m_tail)
 
     def maybe_evaluate(self, run_eval=None) -> float | None:
-        """Held-out greedy accuracy every `run.eval_every` steps (each rank takes a slice), else None.
+        """Held-out greedy accuracy every `run.eval_every` steps and after the last one (each rank takes
+        a slice), else None.
 
         run_eval: how to run it on this rank's engine (bounded-lag mode hands the eval to its rollout
         thread); by default the engine is woken for it and put back to sleep.
         """
-        every = self.cfg.run.eval_every
-        if not every or self.state.step % every:
+        every, step = self.cfg.run.eval_every, self.state.step
+        if not every or (step % every and step != self.cfg.run.steps):  # the last step always: before → after
             return None
         faults.point("eval", self.state.step)
         problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
@@ -234,7 +235,9 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
         state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
     stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
     metrics = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
-    display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine}", enabled=rank == 0)
+    ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
+    display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
+                      enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None)
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite, resumed_from=step)

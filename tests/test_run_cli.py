@@ -73,3 +73,14 @@ def test_config_changes_split_refused_and_warned():
     refused, warned = config_changes(old, new)
     assert [str(c) for c in refused] == ["model.lora.r: None -> 8", "model.path: 'a' -> 'b'"]
     assert [c.key for c in warned] == ["run.steps"]
+
+
+def test_held_out_eval_also_after_the_last_step(tmp_path, monkeypatch, capsys):
+    """eval_every=2 over 3 steps: evaluated before step 1, at step 2 and after step 3 (so the summary's
+    before → after line reports the end of the run)."""
+    monkeypatch.syspath_prepend(HELPERS)
+    run = tmp_path / "run"
+    assert _train(run, "--set", "run.steps=3", "--set", "run.eval_every=2", "--set", "run.save_every=0") == 0
+    evaluated = [json.loads(line).get("eval_accuracy") is not None for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert evaluated == [False, True, True]
+    assert "at step 3" in capsys.readouterr().out

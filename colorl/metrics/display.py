@@ -4,6 +4,8 @@ Two accuracies are shown and labelled apart: `train acc (T=1)` is the share of t
 training samples (drawn at the rollout temperature) that were right; `held-out (greedy)` is the
 periodic evaluation on prompts never trained on. The ETA uses the median wall time of the
 steps after the first one this process ran (which carries warm-up and the initial evaluation).
+In bounded-lag mode the panel and the end table add η, the staleness, the trainer's wait and the
+engine's idle share, and the end says what the overlap gained. The panel fits 80 columns.
 """
 from __future__ import annotations
 
@@ -23,7 +25,25 @@ _SHOWN = (
     ("rollout s", "time_rollout_s", "{:.1f}"), ("train s", "time_train_s", "{:.1f}"),
     ("sync s", "time_sync_s", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
 )
-LABEL_WIDTH, VALUE_WIDTH = 18, 64  # fixed, so the panel does not change width as values change
+_SHOWN_BOUNDED_LAG = (
+    ("staleness max", "staleness_max", "{:d}"), ("trainer wait s", "trainer_wait_s", "{:.1f}"),
+    ("engine idle", "engine_idle_frac", "{:.0%}"),
+)
+LABEL_WIDTH, VALUE_WIDTH = 18, 52  # fixed, so the panel does not change width; with borders 77 columns
+
+
+def overlap_line(history: list[dict]) -> str | None:
+    """Bounded-lag: the steps' wall time against their own rollout, training and sync back to back."""
+    if not history:
+        return None
+    step_s = sum(r.get("time_step_s", 0.0) for r in history)
+    rollout_s = sum(r.get("time_rollout_s", 0.0) for r in history)
+    back_to_back = rollout_s + sum(r.get("time_train_s", 0.0) + r.get("time_sync_s", 0.0) for r in history)
+    if not step_s:
+        return None
+    n = len(history)
+    return (f"overlap: a step took {step_s / n:.1f} s on average; its own rollout ({rollout_s / n:.1f} s), training "
+            f"and sync back to back would take {back_to_back / n:.1f} s: {back_to_back / step_s:.2f}x")
 
 
 def _fmt(fmt: str, value) -> str:
@@ -49,9 +69,12 @@ def _clock(seconds: float | None) -> str:
 
 
 class Display:
-    def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True) -> None:
+    def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True,
+                 eta: int | None = None) -> None:
+        """eta: bounded-lag mode's staleness bound η (None in colocated mode)."""
         self.console = Console(stderr=False)
-        self.total, self.first, self.title = total_steps, first_step, title
+        self.total, self.first, self.title, self.eta = total_steps, first_step, title, eta
+        self.shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ())
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
         self.phase_name, self.step, self.last = "start", first_step, {}
@@ -70,10 +93,12 @@ class Display:
         table.add_column(width=LABEL_WIDTH, no_wrap=True)
         table.add_column(width=VALUE_WIDTH, no_wrap=True)
         table.add_row("step", f"{self.step}/{self.total}   ETA {self._eta()}   phase: [bold]{self.phase_name}[/]")
-        for label, key, fmt in _SHOWN:
+        for label, key, fmt in self.shown:
             value = _fmt(fmt, self.last.get(key))
             if key == "eval_accuracy" and self.baseline is not None:
                 value = f"{value}  (before training {self.baseline:.1%})"
+            if key == "staleness_max":
+                value = f"{value}  (bound η = {self.eta})"
             table.add_row(label, value)
         for label, text in self.loop_rows:
             table.add_row(label, text)
@@ -87,8 +112,8 @@ class Display:
     def loops(self, status) -> None:
         """Both loops of bounded-lag mode at once, refreshed while the trainer waits."""
         self.loop_rows = [
-            ("engine", f"v{status.engine_version}  running {status.running}  waiting {status.waiting}  "
-                       f"KV {status.kv_used}/{status.kv_total}  groups in flight {status.in_flight_groups}"),
+            ("engine", f"v{status.engine_version} run {status.running} wait {status.waiting} "
+                       f"KV {status.kv_used}/{status.kv_total} groups {status.in_flight_groups}"),
             ("trainer", self.phase_name),
             ("buffers", status.buffers or "-"),
         ]
@@ -101,7 +126,7 @@ class Display:
         if self._live is not None:
             self._live.update(self._render())
         elif self.enabled:
-            parts = " ".join(f"{label.replace(' ', '_')}={_fmt(fmt, record.get(key))}" for label, key, fmt in _SHOWN)
+            parts = " ".join(f"{label.replace(' ', '_')}={_fmt(fmt, record.get(key))}" for label, key, fmt in self.shown)
             print(f"step {self.step}/{self.total} eta={self._eta().replace(' ', '_')} {parts}", flush=True)
 
     def initial_accuracy(self, accuracy: float) -> None:
@@ -119,12 +144,18 @@ class Display:
             self._live.stop()
         if not self.enabled or not history:
             return
-        summary = Table(title="colorl · steps")
-        for column in ("step", "reward", "train acc (T=1)", "held-out (greedy)", "resp len", "loss", "step s"):
-            summary.add_column(column, justify="right")
+        columns = [("step", "step", "{}"), ("reward", "reward_mean", "{:.3f}"), ("train acc", "accuracy", "{:.1%}"),
+                   ("held-out", "eval_accuracy", "{:.1%}"), ("resp len", "response_len_mean", "{:.1f}"),
+                   ("loss", "loss", "{:+.4f}"), ("step s", "time_step_s", "{:.1f}")]
+        if self.eta is not None:
+            columns += [("stale max", "staleness_max", "{:d}"), ("wait s", "trainer_wait_s", "{:.1f}"),
+                        ("idle", "engine_idle_frac", "{:.0%}")]
+        summary = Table(title=f"colorl · steps (train acc at T=1, held-out greedy{'' if self.eta is None else f'; η = {self.eta}'})")
+        for name, _, _ in columns:
+            summary.add_column(name, justify="right")
         for record in history:
-            summary.add_row(str(record["step"]), _fmt("{:.3f}", record.get("reward_mean")),
-                            _fmt("{:.1%}", record.get("accuracy")), _fmt("{:.1%}", record.get("eval_accuracy")),
-                            _fmt("{:.1f}", record.get("response_len_mean")),
-                            _fmt("{:+.4f}", record.get("loss")), _fmt("{:.1f}", record.get("time_step_s")))
+            summary.add_row(*(_fmt(fmt, record.get(key)) for _, key, fmt in columns))
         self.console.print(summary)
+        line = overlap_line(history) if self.eta is not None else None
+        if line:
+            self.console.print(line)
