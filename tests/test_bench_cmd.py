@@ -121,3 +121,16 @@ def test_figures_of_a_bounded_lag_run_use_its_own_counts_and_skip_the_warmup():
     assert figures["staleness_hist"] == {"1": 8, "2": 8}  # over every step, warm-up included
     assert figures["groups_dropped"] == 4 and figures["groups_aborted"] is None
     assert figures["iqs_measured"] is None and figures["pqs_measured"] == 0.5
+
+
+def test_one_step_warns_and_its_reward_chart_draws_points(tmp_path, capsys, monkeypatch):
+    from colorl.bench import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.setdefault(path.name, fig))
+    out = tmp_path / "bench"
+    assert main(["bench", "configs/tiny.yaml", "--steps", "1", "--out", str(out), "--modes", "colocated"]) == 0
+    err = capsys.readouterr().err
+    assert "--steps 1 leaves no step after warm-up" in err
+    lines = [line for ax in drawn["reward.png"].axes for line in ax.get_lines()]
+    assert len(lines) == 2 and all(line.get_marker() == "o" and len(line.get_xdata()) == 1 for line in lines)

@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +69,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warmup = default_warmup(steps) if args.warmup is None else args.warmup
     if not 0 <= warmup < steps:
         return fail(f"--warmup {warmup}: must be >= 0 and below the {steps} steps")
+    if warmup == 0 and args.warmup is None:
+        print(f"colorl: warning: --steps {steps} leaves no step after warm-up: the medians include the first "
+              f"step's start-up; use --steps 3 or more for steady figures", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path(base.run.dir) / f"bench-{Path(args.config).stem}-{stamp}"
     if out.exists() and any(out.iterdir()):

@@ -46,8 +46,9 @@ def reward(bench: dict, path: Path) -> None:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for i, variant in enumerate(_measured(bench)):
         curve = variant["series"]
-        by_step.plot(curve["step"], curve["reward_mean"], "-", color=f"C{i}", label=variant["spec"])
-        by_time.plot(curve["seconds"], curve["reward_mean"], "-", color=f"C{i}", label=variant["spec"])
+        style = "-o" if len(curve["step"]) > 1 else "o"  # a one-step variant is a point, not an invisible line
+        by_step.plot(curve["step"], curve["reward_mean"], style, color=f"C{i}", markersize=3, label=variant["spec"])
+        by_time.plot(curve["seconds"], curve["reward_mean"], style, color=f"C{i}", markersize=3, label=variant["spec"])
     by_step.set_xlabel("step")
     by_time.set_xlabel("wall-clock seconds (sum of step times)")
     by_step.set_ylabel("mean reward")
