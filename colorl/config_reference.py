@@ -77,6 +77,9 @@ NOTES: dict[str, str] = {
     "train.logits_chunk_tokens": "Trained positions whose [tokens, vocab] logits are computed at a time.",
     "train.grad_clip": "Clip the global gradient norm to this value.",
     "train.offload_optimizer": "Keep the optimizer state in host memory between steps (GPU memory saver).",
+    "train.max_nonfinite_in_a_row": "Stop the run after this many steps in a row with a non-finite loss or "
+                                    "gradient norm (their optimizer steps are skipped); the last good step is "
+                                    "saved as the newest checkpoint first.",
     "train.mixed_precision": "Compute dtype of forward/backward (FSDP2 mixed precision); weights, "
                              "optimizer state and gradient reduction stay in `model.dtype`. null: "
                              "compute in `model.dtype`.",

@@ -30,6 +30,11 @@ def test_every_config_key_is_in_the_reference():
     assert missing == []
 
 
+def test_every_config_key_is_described():
+    """A key added without a `Field(description=...)`, a NOTES entry or a comment fails here."""
+    assert [doc.key for doc in walk() if not doc.description.strip()] == []
+
+
 def _colorl_commands(text: str) -> list[str]:
     """Lines in code blocks (fenced, or indented by four spaces) that run colorl, joined across
     backslash continuations."""
