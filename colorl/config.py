@@ -35,7 +35,8 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, lt=2**32)  # torch and the samplers take 32-bit seeds without overflow
     steps: int = Field(20, ge=1)
     save_every: int = Field(10, ge=0)  # 0: only at the end
-    keep_checkpoints: int = Field(0, ge=0)  # newest N kept after each save; 0: keep all
+    keep_checkpoints: int = Field(2, ge=0)  # newest N kept after each save; 0: keep all
+    optimizer_state: Literal["newest", "all"] = "newest"  # which checkpoints keep the optimizer state
     eval_every: int = Field(0, ge=0)  # 0: no periodic eval
     eval_prompts: int = Field(32, ge=0)
     tensorboard: bool = False

@@ -34,7 +34,11 @@ NOTES: dict[str, str] = {
     "run.seed": "Seeds the task's problem stream, sampling and initialisation; same seed, same run.",
     "run.steps": "Optimizer steps to train (one batch of B = G·S samples each).",
     "run.save_every": "Checkpoint every N steps (and always after the last); 0: only at the end.",
-    "run.keep_checkpoints": "Keep only the newest N checkpoints after each save; 0 keeps all.",
+    "run.keep_checkpoints": "Keep only the newest N checkpoints after each save (the older one is the fall-back "
+                            "of `--resume-from-last-good`); 0 keeps all.",
+    "run.optimizer_state": "`newest`: only the newest checkpoint keeps the optimizer state (Adam: twice the fp32 "
+                           "weights); older ones keep the weights, and resuming from one starts a fresh optimizer. "
+                           "`all`: every checkpoint keeps it.",
     "run.eval_every": "Held-out greedy accuracy every N steps (and once before step 1); 0: never.",
     "run.eval_prompts": "Held-out problems per evaluation (capped by the task's eval split).",
     "run.tensorboard": "Also log every metric to `RUN_DIR/tensorboard` (needs `colorl[tensorboard]`).",

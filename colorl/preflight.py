@@ -40,7 +40,7 @@ def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
     forced; list the other changes; say at once what is being loaded."""
     from colorl.config import ConfigError
     from colorl.resume import config_changes, last_config
-    from colorl.train.checkpoint import checkpoint_dir
+    from colorl.train.checkpoint import checkpoint_dir, has_optimizer_state
 
     previous = last_config(run_dir)
     refused, warned = config_changes(previous, cfg.model_dump(mode="json")) if previous else ([], [])
@@ -49,8 +49,11 @@ def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
                           f"{'; '.join(map(str, refused))} (pass --force to resume anyway)")
     for change in (refused if force else []) + warned:
         print(f"colorl: warning: --resume with a changed key: {change}", file=sys.stderr)
-    print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} "
-          f"(weights, optimizer state, RNG states, data position)", flush=True)
+    if has_optimizer_state(run_dir, step):
+        what = "weights, optimizer state, RNG states, data position"
+    else:
+        what = "weights, RNG states, data position; it kept no optimizer state, so the optimizer starts fresh"
+    print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} ({what})", flush=True)
 
 
 def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:

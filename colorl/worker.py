@@ -27,7 +27,8 @@ from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
 from colorl.train.checkpoint import (
-    TrainerState, latest_step, load_checkpoint, prune_checkpoints, read_rank_file, save_checkpoint,
+    TrainerState, drop_older_optimizer_states, latest_step, load_checkpoint, prune_checkpoints, read_rank_file,
+    save_checkpoint,
 )
 from colorl.train.policy import PolicyTrainer
 
@@ -157,6 +158,9 @@ class RankContext:
         self.event(f"checkpoint step={self.state.step} path={path}")
         for step in prune_checkpoints(self.run_dir, self.cfg.run.keep_checkpoints):
             self.event(f"checkpoint step={step} deleted (run.keep_checkpoints={self.cfg.run.keep_checkpoints})")
+        if self.cfg.run.optimizer_state == "newest":
+            for step in drop_older_optimizer_states(self.run_dir):
+                self.event(f"checkpoint step={step} optimizer state deleted (run.optimizer_state=newest)")
 
     def load_rollout_state(self) -> dict | None:
         """This rank's bounded-lag rollout state from the checkpoint the run resumed from, if any."""

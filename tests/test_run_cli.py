@@ -29,6 +29,8 @@ def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "held-out accuracy (greedy, 4 prompts never trained on): " in out and "before → " in out
     assert "wall time " in out
+    disk = next(line for line in out.splitlines() if line.startswith("disk: "))  # where the space went
+    assert "step_2 " in disk and "optimizer state)" in disk and "step_1 " in disk and "(weights only)" in disk
     assert f"colorl export {run} {run}/hf" in out and f"colorl plot {run}" in out
     documented = (Path(__file__).resolve().parents[1] / "docs" / "run-directory.md").read_text()
     keys = {key for line in (run / "metrics.jsonl").read_text().splitlines() for key in json.loads(line)}

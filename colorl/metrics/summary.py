@@ -48,7 +48,31 @@ def summary_lines(run_dir: Path, wall_s: float, eval_prompts: int) -> list[str]:
     steps_s = sum(r.get("time_step_s", 0.0) for r in records)
     lines.append(f"wall time {format_duration(wall_s)} for this command ({len(records)} steps in the run, "
                  f"{format_duration(steps_s)} of them in steps)")
-    return lines
+    disk = disk_line(run_dir)
+    return lines + ([disk] if disk else [])
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def disk_line(run_dir: Path) -> str | None:
+    """Where the run's disk space went: each checkpoint, and how much of it is optimizer state."""
+    from colorl.train.checkpoint import checkpoint_dir, complete_steps
+
+    steps = complete_steps(run_dir)
+    if not steps:
+        return None
+    parts, total = [], 0
+    for step in reversed(steps):
+        folder = checkpoint_dir(run_dir, step)
+        size = _bytes(folder)
+        optim = _bytes(folder / "optim") if (folder / "optim").is_dir() else 0
+        total += size
+        parts.append(f"step_{step} {size / 1e9:.2f} GB" + (f" ({optim / 1e9:.2f} GB optimizer state)" if optim
+                                                            else " (weights only)"))
+    return (f"disk: {total / 1e9:.2f} GB in {run_dir / 'checkpoints'}: {', '.join(parts)}; run.keep_checkpoints "
+            f"and run.optimizer_state set what is kept (export needs only the weights)")
 
 
 def next_commands(run_dir: Path) -> list[str]:

@@ -8,6 +8,10 @@ pick; the manifest catches a checkpoint damaged afterwards (truncated or corrupt
 
 Before writing, the space a checkpoint needs is compared with the space free, so a full disk stops
 the run with one line naming both, and the previous checkpoint stays the newest complete one.
+
+Disk: Adam's state is twice the fp32 weights, so by default (`run.optimizer_state: newest`) only the
+newest checkpoint keeps `optim/`; older ones keep the weights (for `colorl export` and as a
+fall-back) and a resume from one of them starts a fresh optimizer state, saying so.
 """
 from __future__ import annotations
 
@@ -251,14 +255,44 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[int]:
     return doomed
 
 
+def drop_older_optimizer_states(run_dir: Path) -> list[int]:
+    """Remove `optim/` from every complete checkpoint but the newest (rank 0 only); returns their steps.
+
+    The manifest is rewritten without those files first (atomically), so a crash half-way leaves only
+    unlisted files behind, never a checkpoint that fails its own check."""
+    if _rank() != 0:
+        return []
+    dropped = []
+    for step in complete_steps(run_dir)[:-1]:
+        folder = checkpoint_dir(run_dir, step)
+        if not (folder / "optim").exists():
+            continue
+        manifest_path = folder / MANIFEST
+        if manifest_path.exists():
+            manifest = json.loads(manifest_path.read_text())
+            kept = {name: entry for name, entry in manifest.items() if not name.startswith("optim/")}
+            tmp = manifest_path.with_name(MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(kept, indent=1))
+            tmp.replace(manifest_path)
+        shutil.rmtree(folder / "optim")
+        dropped.append(step)
+    return dropped
+
+
+def has_optimizer_state(run_dir: Path, step: int) -> bool:
+    return (checkpoint_dir(run_dir, step) / "optim").is_dir()
+
+
 def load_checkpoint(run_dir: Path, step: int, model, optimizer) -> TrainerState:
+    """Weights, optimizer state (when the checkpoint kept it; else the optimizer starts fresh), RNG."""
     folder = checkpoint_dir(run_dir, step)
     model_sd = _untied_model_state(model)
     dcp.load(model_sd, storage_reader=dcp.HuggingFaceStorageReader(str(folder / "model")))
     set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
-    optim = {"optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(optim, checkpoint_id=str(folder / "optim"))
-    set_optimizer_state_dict(model, optimizer, optim["optim"])
+    if has_optimizer_state(run_dir, step):
+        optim = {"optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(optim, checkpoint_id=str(folder / "optim"))
+        set_optimizer_state_dict(model, optimizer, optim["optim"])
     rng_file = folder / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=True))

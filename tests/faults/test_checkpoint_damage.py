@@ -9,8 +9,8 @@ import torch
 from colorl.cli import main
 from colorl.models import load_model
 from colorl.train.checkpoint import (
-    CheckpointUnusable, TrainerState, checkpoint_dir, checkpoint_problem, complete_steps, latest_step,
-    load_checkpoint, prune_checkpoints, resume_step, save_checkpoint,
+    CheckpointUnusable, TrainerState, checkpoint_dir, checkpoint_problem, complete_steps, drop_older_optimizer_states,
+    has_optimizer_state, latest_step, load_checkpoint, prune_checkpoints, resume_step, save_checkpoint,
 )
 
 
@@ -106,3 +106,24 @@ def test_half_deleted_or_half_written_folders_are_never_checkpoints(run_with_che
     assert prune_checkpoints(run_dir, keep=1) == [1, 2]
     save_checkpoint(run_dir, model, optimizer, TrainerState(step=4))  # the next save clears the leftovers
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
+
+
+def test_only_the_newest_checkpoint_keeps_the_optimizer_state(run_with_checkpoints, capsys):
+    """run.optimizer_state=newest: older checkpoints lose `optim/` (and pass their own check), still load
+    their weights, and a resume from one says the optimizer starts fresh; the summary says where the
+    space went."""
+    from colorl.metrics.summary import disk_line
+
+    run_dir, model, optimizer = run_with_checkpoints
+    assert drop_older_optimizer_states(run_dir) == [1, 2]
+    assert [has_optimizer_state(run_dir, s) for s in (1, 2, 3)] == [False, False, True]
+    assert drop_older_optimizer_states(run_dir) == []  # nothing left to drop
+    assert all(checkpoint_problem(run_dir, s) is None for s in (1, 2, 3))
+    assert load_checkpoint(run_dir, 2, model, optimizer) == TrainerState(2, 2, 8) and not optimizer.state
+    assert load_checkpoint(run_dir, 3, model, optimizer) == TrainerState(3, 3, 12) and optimizer.state
+    line = disk_line(run_dir)
+    assert line.startswith("disk: ") and "step_3 " in line and "GB optimizer state)" in line
+    assert "step_1 " in line and line.count("(weights only)") == 2
+    shutil.rmtree(checkpoint_dir(run_dir, 3))
+    assert main(["train", "configs/tiny.yaml", "--run-dir", str(run_dir), "--resume", "--dry-run"]) == 0
+    assert "it kept no optimizer state, so the optimizer starts fresh" in capsys.readouterr().out
