@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup quickstart test test-all bench docs clean
+.PHONY: setup quickstart test test-avx2 test-all bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ quickstart: setup
 
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
+
+# the kernel, engine and training tests with oneDNN held to AVX2 (torch's bundled oneDNN honours it): an
+# AVX-512 machine then runs what an AVX2-only CPU would, bf16 fall-backs included
+AVX2_TESTS := tests/test_kernels.py tests/engines tests/train tests/test_train_e2e.py tests/cli/test_dry_run.py
+test-avx2: $(DEV_STAMP)
+	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q $(AVX2_TESTS)
 
 test-all: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
