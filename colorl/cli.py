@@ -1,4 +1,4 @@
-"""`colorl` command line: train, export, plot, predict, simulate, plan, bench.
+"""`colorl` command line: train, export, plot, predict, simulate, plan, bench, doctor.
 
 Bad input ends with one line on stderr and exit code 2; a failed run with exit code 1.
 """
@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.panel import Panel
 
 from colorl.bench.command import add_bench_parser
+from colorl.doctor import add_doctor_parser
 from colorl.plan import add_plan_parser
 from colorl.preflight import MachineCheckFailed, check_devices, check_resume, preflight
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -30,6 +30,9 @@ may be views into the bucket or the trainer, valid during the call only.
 Bounded-lag mode splits the same transfer in two: `publish(version)` gathers on the trainer
 thread into a `StagedUpdate` that keeps its buckets; the rollout thread calls
 `apply_pending(engine)` at a step boundary (the newest published version wins).
+
+`enable_verification()` (on in `colorl doctor`) follows every sync and every applied version with
+the bit-exact comparison of the engine's weights with the trainer's (colorl/sync/verify.py).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ from colorl.sync.buckets import (
 )
 from colorl.sync.lora import LoraTarget, find_lora_targets, is_adapter_param, merge_into
 from colorl.sync.name_maps import NameMap, NameMapError, TensorSpec, name_map_for, route
+from colorl.sync.verify import SyncVerifier
 
 if TYPE_CHECKING:
     from colorl.config import LoraConfig, SyncConfig
@@ -87,6 +91,7 @@ class StagedUpdate:
     buckets: list[tuple[Bucket, torch.Tensor]]
     stats: SyncStats  # the gather, on the trainer side
     owner: "CheckpointEngine" = field(repr=False)
+    expected: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # with verification on
 
     def apply(self, engine: Engine) -> SyncStats:
         """Write into `engine` and set its version; only where the engine is between steps."""
@@ -94,7 +99,10 @@ class StagedUpdate:
         specs = self.owner._plan.specs
         self.owner._write(engine, (row_blocks(bucket, specs, flat) for bucket, flat in self.buckets))
         engine.version = self.version
-        return SyncStats(self.version, time.perf_counter() - start, self.stats.bytes_moved, len(self.buckets))
+        stats = SyncStats(self.version, time.perf_counter() - start, self.stats.bytes_moved, len(self.buckets))
+        if self.expected is not None:
+            self.owner.verifier.check(engine, self.expected, self.version)
+        return stats
 
 
 class _Mesh:
@@ -169,6 +177,7 @@ class CheckpointEngine:
     def __init__(self, model: nn.Module, engine: Engine, cfg: SyncConfig, lora: LoraConfig | None = None,
                  shared_memory: bool | None = None):
         named = list(model.named_parameters())
+        self._model = model
         self._mesh = _Mesh(named)
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
         self._name_map: NameMap = name_map_for(model.config.model_type)
@@ -188,6 +197,7 @@ class CheckpointEngine:
         self._lock = threading.Lock()
         self._pending: StagedUpdate | None = None
         self._w0: dict[str, torch.Tensor] = {}
+        self.verifier: SyncVerifier | None = None  # the bit-exact check after each sync, when enabled
         if not self._lora:
             self._plan = _Plan(named, self._mesh, self._bucket_bytes)
             self._routes = route(self._name_map, self._plan.full_specs(), self._engine_specs)
@@ -213,6 +223,12 @@ class CheckpointEngine:
         self._write_plan(engine, base, self._stream(base), keep_w0=True)
         self._write(engine, self._stream(self._plan))
 
+    def enable_verification(self) -> SyncVerifier:
+        """From now on every sync (and every applied published version) is followed by the bit-exact
+        check of colorl/sync/verify.py; a difference raises WeightMismatch. Costs a copy of the weights."""
+        self.verifier = SyncVerifier(self._model, self._name_map, self._lora, self._engine_specs)
+        return self.verifier
+
     @property
     def transport(self) -> str:
         """How buckets travel: "local" (world size 1), "shared_memory" (/dev/shm, ranks of one
@@ -231,7 +247,10 @@ class CheckpointEngine:
         start = time.perf_counter()
         self._write(engine, self._stream(self._plan))
         engine.version = version
-        return SyncStats(version, time.perf_counter() - start, self._plan.nbytes, len(self._plan.buckets))
+        stats = SyncStats(version, time.perf_counter() - start, self._plan.nbytes, len(self._plan.buckets))
+        if self.verifier is not None:
+            self.verifier.check(engine, self.verifier.expected(), version)
+        return stats
 
     # -- bounded-lag mode ------------------------------------------------------------------------
 
@@ -240,7 +259,8 @@ class CheckpointEngine:
         start = time.perf_counter()
         buckets = [(bucket, flat.clone()) for bucket, flat in self._gathered(self._plan)]
         stats = SyncStats(version, time.perf_counter() - start, self._plan.nbytes, len(buckets))
-        staged = StagedUpdate(version, buckets, stats, self)
+        expected = self.verifier.expected() if self.verifier is not None else None
+        staged = StagedUpdate(version, buckets, stats, self, expected)
         with self._lock:
             self._pending = staged
         return staged

@@ -1,0 +1,75 @@
+"""`colorl doctor` on CPU: real two-step runs of a reduced case set, verdicts, report, exit codes."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from colorl import doctor
+from colorl.cli import main
+
+HELPERS = str(Path(__file__).parent / "helpers")
+VERDICT = re.compile(r"^(PASS|FAIL)  (\S+) ")
+
+
+def verdicts(out: str) -> dict[str, str]:
+    return {m.group(2): m.group(1) for m in map(VERDICT.match, out.splitlines()) if m}
+
+
+def test_cases_cover_every_mode_sleep_level_and_lora_setting():
+    names = [case.name for case in doctor.cases_for(["native"])]
+    assert names == ["native/colocated/sleep1/full", "native/colocated/sleep1/lora", "native/colocated/sleep2/full",
+                     "native/colocated/sleep2/lora", "native/bounded_lag/full", "native/bounded_lag/lora"]
+
+
+@pytest.mark.timeout(300)
+def test_reduced_cases_pass_with_one_verdict_each_memory_and_a_report(tmp_path, capsys):
+    cases = ["native/colocated/sleep2/lora", "hf/bounded_lag/full"]
+    code = main(["doctor", "configs/gpu-smoke.yaml", "--device", "cpu", "--out", str(tmp_path / "d"), "--nproc", "1",
+                 *[a for c in cases for a in ("--case", c)]])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "configs/gpu-smoke.yaml's model (Qwen/Qwen2.5-0.5B-Instruct) is checked on a GPU" in out
+    assert verdicts(out) == {case: "PASS" for case in cases}
+    assert "weights bit-exact after 3 syncs (versions [0, 1, 2])" in out  # colocated: start-up, step 1, step 2
+    assert re.search(r"after train +RSS \d+\.\d\d GiB", out)
+    report = json.loads((tmp_path / "d" / "doctor.json").read_text())
+    assert [c["case"] for c in report["cases"]] == cases and all(c["passed"] for c in report["cases"])
+    assert report["machine"]["torch"] and report["device"] == "cpu"
+    (rank0,) = report["cases"][0]["ranks"]
+    assert rank0["checked_versions"] == [0, 1, 2] and rank0["steps"] == 2
+    assert {row["phase"] for row in rank0["memory"]} >= {"rollout", "train", "sync"}
+
+
+@pytest.mark.timeout(300)
+def test_a_weight_mismatch_after_a_sync_fails_its_case(tmp_path, capsys, monkeypatch):
+    from doctor_faults import rank_with_corrupt_sync
+
+    monkeypatch.syspath_prepend(HELPERS)
+    monkeypatch.setattr(doctor, "checked_rank", rank_with_corrupt_sync)
+    code = main(["doctor", "--out", str(tmp_path / "d"), "--nproc", "1", "--case", "native/colocated/sleep1/full"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert verdicts(out) == {"native/colocated/sleep1/full": "FAIL"}
+    assert re.search(r"FAIL .* weight sync to version 2: 1 of \d+ engine weights differ from the trainer's", out)
+    assert "0 of 1 cases pass; failed: native/colocated/sleep1/full" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing.yaml"], "config file not found: missing.yaml"),
+    (["--case", "sglang/*"], "--case sglang/*: no case matches; cases: native/colocated/sleep1/full"),
+    (["--device", "cuda"], "launch.device=cuda: no CUDA device is available here"),
+    (["--nproc", "0"], "--nproc 0: give at least 1 rank"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    if message.startswith("launch.device=cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    assert main(["doctor", "--out", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "d").exists()
