@@ -1,0 +1,188 @@
+"""One conformance matrix over every engine: the same interface, and whole runs of both modes.
+
+The engine list is `COLUMNS`, the one place to add an engine: each column gets the signature check
+against colorl/engines/base.py's `Engine` and three whole runs through the real launcher on the
+tiny model, each with the checkpoint engine's bit-exact check after every sync and applied version
+(colorl/sync/verify.py, as `colorl doctor` runs it; a difference fails the run):
+
+    colocated    sleep level 2, LoRA, eval after every step, zero-variance filter; resumed from
+                 step 2 it trains step 3 exactly as the uninterrupted run did
+    colocated    sleep level 1, full weights, eval, zero-variance filter
+    bounded-lag  LoRA, eval, zero-variance filter with batch-level redundancy at G/world = 1 (one
+                 surplus entry, η = 1); staleness within η, no prompt trained twice, and resumed
+                 from step 2 no prompt handed out before the save is lost
+
+The SGLang column is colorl's real adapter over the CPU stand-in of the package
+(tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from colorl.config import load_config
+from colorl.engines.base import Engine
+from colorl.launch import launch
+from colorl.worker import prepare_run_dir
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    engine: str  # rollout.engine
+    cls: str  # "module:Class" of the engine
+    rank: str = "colorl.doctor:checked_rank"  # "module:function" each rank runs
+    needs: str | None = None  # a package the engine needs here; skipped when it is not importable
+
+    def skip_reason(self) -> str | None:
+        if self.needs and importlib.util.find_spec(self.needs) is None:
+            return f"{self.needs} is not importable here (it runs in its own venv, .venv-{self.needs})"
+        return None
+
+    def load(self, spec: str):
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+COLUMNS = [
+    Column("native", "native", "colorl.engines.native.engine:NativeEngine"),
+    Column("hf", "hf", "colorl.engines.hf:HFEngine"),
+    Column("sglang-standin", "sglang", "colorl.engines.sglang:SGLangEngine", rank="standin_rank:sglang_standin_rank"),
+    Column("vllm", "vllm", "colorl.engines.vllm:VLLMEngine", needs="vllm"),
+]
+BASE = ["task.reward=reward_fns:long_is_right", "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4",
+        "filter.zero_variance=true", "train.lr=1e-2", "launch.device=auto", "launch.nproc=1"]
+LORA = "model.lora={r: 4, alpha: 8}"
+RESUMABLE = ["run.steps=3", "run.save_every=2", "run.optimizer_state=all"]  # step_2 keeps what a resume needs
+
+
+@pytest.fixture(params=COLUMNS, ids=[c.name for c in COLUMNS])
+def column(request) -> Column:
+    reason = request.param.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+# -- the interface -----------------------------------------------------------------------------------
+
+INTERFACE = sorted(name for name, member in vars(Engine).items() if callable(member) and not name.startswith("_"))
+
+
+def parameters(function) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def test_every_engine_has_the_interfaces_signatures(column):
+    cls = column.load(column.cls)
+    assert issubclass(cls, Engine)
+    differing = {name: (parameters(getattr(cls, name)), parameters(getattr(Engine, name))) for name in INTERFACE
+                 if parameters(getattr(cls, name)) != parameters(getattr(Engine, name))}
+    assert differing == {}, f"{column.name}: (engine's, Engine's) parameters differ"
+    assert isinstance(inspect.getattr_static(cls, "version"), (int, property))
+    assert isinstance(cls.keeps_kv_across_updates, bool)
+
+
+# -- whole runs --------------------------------------------------------------------------------------
+
+def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = False) -> list[dict]:
+    """A run through the launcher with the sync check on; the ranks' reports (versions checked,
+    steps, memory per phase). A weight mismatch or any other failure fails the test here."""
+    cfg = load_config("configs/tiny.yaml", [*BASE, f"rollout.engine={column.engine}", *sets])
+    prepare_run_dir(cfg, run_dir, resume)
+    report_dir = run_dir / ("doctor-resumed" if resume else "doctor")
+    report_dir.mkdir()
+    failure = launch(column.load(column.rank), cfg.launch.nproc, "cpu",
+                     (cfg.model_dump(mode="json"), str(run_dir), resume, "cpu", str(report_dir)), 120)
+    assert failure is None, f"{column.name} run failed on rank {failure.rank}: {failure.error}"
+    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(cfg.launch.nproc)]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in (run_dir / "checkpoints" / f"step_{step}" / "model").glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def interrupted_copy(run_dir: Path, into: Path, step: int) -> Path:
+    """The run directory as a run killed after step `step`'s checkpoint would have left it."""
+    shutil.copytree(run_dir, into, ignore=lambda folder, names: [n for n in names if n.startswith("step_")
+                                                                   and n != f"step_{step}"])
+    kept = [line for line in (into / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= step]
+    (into / "metrics.jsonl").write_text("".join(f"{line}\n" for line in kept))
+    return into
+
+
+def assert_common(lines: list[dict], steps: int, eta: int) -> None:
+    assert [r["step"] for r in lines] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
+    assert all(r["staleness_max"] <= eta for r in lines), [r["staleness_max"] for r in lines]
+    assert all(r["eval_accuracy"] is not None for r in lines)  # eval after every step
+    trained = [i for r in lines for i in r["trained_problems"]]
+    assert len(trained) == len(set(trained))  # no prompt trained twice
+
+
+@pytest.mark.timeout(300)
+def test_colocated_sleep2_lora_eval_zero_variance_and_exact_resume(column, tmp_path):
+    sets = [*RESUMABLE, LORA, "engine.sleep_level=2", "mode=colocated"]
+    straight = tmp_path / "straight"
+    (report,) = checked_run(column, sets, straight)
+    assert report["checked_versions"] == [0, 1, 2, 3]  # start-up, then after each step: bit-exact
+    lines = metrics(straight)
+    assert_common(lines, 3, eta=0)
+    # the filter had work (a group without reward variance, masked out) and the weights something to learn
+    assert min(r["groups_mixed_frac"] for r in lines) < 1 and max(r["groups_mixed_frac"] for r in lines) > 0
+    resumed = interrupted_copy(straight, tmp_path / "resumed", step=2)
+    (again,) = checked_run(column, sets, resumed, resume=True)
+    assert again["checked_versions"] == [2, 3]
+    keys = ("step", "version", "loss", "reward_mean", "response_len_mean", "grad_norm", "trained_problems",
+            "groups_mixed_frac")
+    assert [{k: r[k] for k in keys} for r in metrics(resumed)] == [{k: r[k] for k in keys} for r in lines]
+    a, b = weights(straight, 3), weights(resumed, 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_colocated_sleep1_full_weights_eval_zero_variance(column, tmp_path):
+    (report,) = checked_run(column, ["run.steps=2", "engine.sleep_level=1", "mode=colocated"], tmp_path / "run")
+    assert report["checked_versions"] == [0, 1, 2]
+    assert_common(metrics(tmp_path / "run"), 2, eta=0)
+
+
+@pytest.mark.timeout(300)
+def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column, tmp_path):
+    from colorl.engines import engine_class
+
+    keep = engine_class(column.engine).keeps_kv_across_updates
+    sets = [*RESUMABLE, LORA, "mode=bounded_lag", "staleness.max=1", "rollout.batch_groups=1",
+            "staleness.redundancy={level: batch, ratio: 1.0}", f"staleness.partial_rollout={'keep' if keep else 'recompute'}"]
+    run = tmp_path / "run"
+    (report,) = checked_run(column, sets, run)
+    checked = report["checked_versions"]
+    assert checked[0] == 0 and checked == sorted(set(checked)) and len(checked) >= 2  # published versions applied
+    assert_common(metrics(run), 3, eta=1)
+    resumed = interrupted_copy(run, tmp_path / "resumed", step=2)
+    (again,) = checked_run(column, sets, resumed, resume=True)
+    assert again["checked_versions"][0] == 2
+    lines = metrics(resumed)
+    assert_common(lines, 3, eta=1)
+    assert sum(r["groups_filtered"] for r in lines) > 0  # zero-variance groups released from the buffer
+    saved = json.loads((resumed / "checkpoints" / "step_2" / "rollout_rank0.json").read_text())
+    # G/world = 1 at world size 1: ticket t is problem t. The resumed run trains what the save held
+    # (completed groups, tickets in flight) or tickets it had not handed out yet: its data position
+    held = {*saved["reissue"], *(c["group"]["ticket"] for c in saved["completed"])}
+    assert all(t in held or t >= saved["next_ticket"] for t in lines[2]["trained_problems"]), (saved, lines[2])
