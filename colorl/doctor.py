@@ -22,7 +22,6 @@ import fnmatch
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,28 +174,24 @@ def verdict(case: Case, ranks: list[dict], steps: int) -> tuple[bool, str]:
     return True, f"{steps} steps, weights bit-exact after {len(versions)} syncs (versions {versions})"
 
 
-def run_case(case: Case, config: str | None, base: list[str], lora: str, device: str, out: Path,
-             nproc: int) -> Outcome:
-    """A two-step checked run of `case` (CONFIG, then `base`, then the case's settings) through the
-    launcher; its verdict."""
-    from colorl.config import load_config
-    from colorl.engines import engine_class
+def run_case(plan: "DoctorPlan", case: Case, out: Path) -> Outcome:
+    """A two-step checked run of `case` through the launcher; its verdict."""
     from colorl.launch import launch
     from colorl.worker import prepare_run_dir
 
     started = time.perf_counter()
-    settings = [*base, *case.settings(lora, engine_class(case.engine).keeps_kv_across_updates)]
-    cfg = load_config(config, settings + [f"launch.nproc={nproc}"])
-    run_dir, report_dir = out / case.name.replace("/", "-"), out / case.name.replace("/", "-") / "doctor"
+    settings, cfg = plan.case_config(case)
+    run_dir = out / case.name.replace("/", "-")
+    report_dir = run_dir / "doctor"
     prepare_run_dir(cfg, run_dir, resume=False)
     report_dir.mkdir()
-    failure = launch(checked_rank, nproc, device, (cfg.model_dump(mode="json"), str(run_dir), False, device,
-                                                    str(report_dir)), cfg.launch.collective_timeout_s)
+    failure = launch(checked_rank, plan.nproc, plan.device, (cfg.model_dump(mode="json"), str(run_dir), False,
+                                                              plan.device, str(report_dir)), cfg.launch.collective_timeout_s)
     seconds = time.perf_counter() - started
     if failure is not None:
         head = failure.error.strip().splitlines()[0] if failure.error.strip() else "no report"
         return Outcome(case.name, False, f"rank {failure.rank}: {head}", seconds, settings)
-    ranks = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+    ranks = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(plan.nproc)]
     passed, detail = verdict(case, ranks, cfg.run.steps)
     return Outcome(case.name, passed, detail, seconds, settings, ranks)
 
@@ -231,9 +226,39 @@ def machine() -> dict:
     return info
 
 
-def plan_cases(args) -> tuple[list[Case], str | None, list[str], str, str, int, list[str]]:
-    """(cases, config file, base settings, LoRA settings, device, ranks, notes) from the command
-    line; ValueError (one line) on bad input."""
+@dataclass
+class DoctorPlan:
+    """What `colorl doctor` runs: the cases, and the settings every case starts from."""
+
+    cases: list[Case]
+    config: str | None  # the config file the cases start from (None: the CPU cases' own settings)
+    base: list[str]  # overrides applied to it, then each case's own
+    lora: str  # the adapter settings of the LoRA cases
+    device: str
+    nproc: int
+    notes: list[str]
+
+    def case_config(self, case: Case):
+        """(all overrides, validated Config) of one case."""
+        from colorl.config import load_config
+        from colorl.engines import engine_class
+
+        settings = [*self.base, *case.settings(self.lora, engine_class(case.engine).keeps_kv_across_updates),
+                    f"launch.nproc={self.nproc}"]
+        return settings, load_config(self.config, settings)
+
+
+def cpu_engines() -> list[str]:
+    """The engines that run without CUDA here: native, hf, and vllm where its CPU build is installed."""
+    import importlib.util
+
+    from colorl.engines import ENGINES
+
+    return [*CPU_ENGINES, *(e for e in ("vllm",) if e in ENGINES and importlib.util.find_spec(e) is not None)]
+
+
+def plan_cases(args) -> DoctorPlan:
+    """The doctor's plan from the command line; ValueError (one line) on bad input."""
     import torch
 
     from colorl.config import load_config
@@ -258,13 +283,13 @@ def plan_cases(args) -> tuple[list[Case], str | None, list[str], str, str, int, 
         if cfg is not None:
             notes.append(f"no CUDA here: {args.config}'s model ({cfg.model.path}) is checked on a GPU; "
                          f"these are the same cases with the CPU engines on the tiny model")
-        nproc, base, engines, lora, config = args.nproc or 2, [*CPU_SETTINGS, *user, *common], CPU_ENGINES, LORA, None
+        nproc, base, engines, lora, config = args.nproc or 2, [*CPU_SETTINGS, *user, *common], cpu_engines(), LORA, None
     base.append(f"rollout.batch_groups={nproc}")
     cases = [c for c in cases_for(engines) if not args.case or any(fnmatch.fnmatch(c.name, p) for p in args.case)]
     if not cases:
         raise ValueError(f"--case {' '.join(args.case)}: no case matches; cases: "
                          f"{', '.join(c.name for c in cases_for(engines))}")
-    return cases, config, base, lora, device, nproc, notes
+    return DoctorPlan(cases, config, base, lora, device, nproc, notes)
 
 
 def _flow(mapping: dict) -> str:
@@ -274,32 +299,33 @@ def _flow(mapping: dict) -> str:
 def cmd_doctor(args) -> int:
     from colorl.cli import EXIT_BAD_INPUT, EXIT_RUN_FAILED, fail
     from colorl.config import ConfigError
+    from colorl.preflight import preflight
 
     try:
-        cases, config, base, lora, device, nproc, notes = plan_cases(args)
+        plan = plan_cases(args)
+        for note in plan.notes + preflight(plan.case_config(plan.cases[0])[1], plan.device):
+            print(f"colorl doctor: {note}", flush=True)
     except (ConfigError, ValueError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     out = Path(args.out) if args.out else Path("runs") / f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and any(out.iterdir()):
         return fail(f"--out {out}: not empty; choose another folder", EXIT_BAD_INPUT)
     out.mkdir(parents=True, exist_ok=True)
-    for note in notes:
-        print(f"colorl doctor: {note}", flush=True)
-    print(f"colorl doctor: {len(cases)} cases, {STEPS} steps each, {nproc} x {device}; report: {out / 'doctor.json'}",
-          flush=True)
+    print(f"colorl doctor: {len(plan.cases)} cases, {STEPS} steps each, {plan.nproc} x {plan.device}; "
+          f"report: {out / 'doctor.json'}", flush=True)
     outcomes = []
-    for case in cases:
+    for case in plan.cases:
         try:
-            outcome = run_case(case, config, base, lora, device, out, nproc)
+            outcome = run_case(plan, case, out)
         except (ConfigError, ValueError, OSError) as exc:
             outcome = Outcome(case.name, False, str(exc).splitlines()[0], 0.0, [])
         outcomes.append(outcome)
         print(f"{'PASS' if outcome.passed else 'FAIL'}  {case.name:<34} {outcome.detail} ({outcome.seconds:.0f} s)",
               flush=True)
-        for line in memory_lines(outcome, device):
+        for line in memory_lines(outcome, plan.device):
             print(line, flush=True)
     (out / "doctor.json").write_text(json.dumps(
-        {"machine": machine(), "device": device, "nproc": nproc, "config": args.config,
+        {"machine": machine(), "device": plan.device, "nproc": plan.nproc, "config": args.config,
          "cases": [asdict(o) for o in outcomes]}, indent=1))
     failed = [o.case for o in outcomes if not o.passed]
     print(f"colorl doctor: {len(outcomes) - len(failed)} of {len(outcomes)} cases pass"
