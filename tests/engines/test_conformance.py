@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from colorl.config import load_config
+from colorl.engines import engine_class
 from colorl.engines.base import Engine
 from colorl.launch import launch
 from colorl.worker import prepare_run_dir
@@ -38,8 +39,7 @@ from colorl.worker import prepare_run_dir
 @dataclass(frozen=True)
 class Column:
     name: str
-    engine: str  # rollout.engine
-    cls: str  # "module:Class" of the engine
+    engine: str  # rollout.engine (its class comes from colorl.engines' registry)
     rank: str = "colorl.doctor:checked_rank"  # "module:function" each rank runs
     needs: str | None = None  # a package the engine needs here; skipped when it is not importable
 
@@ -54,10 +54,10 @@ class Column:
 
 
 COLUMNS = [
-    Column("native", "native", "colorl.engines.native.engine:NativeEngine"),
-    Column("hf", "hf", "colorl.engines.hf:HFEngine"),
-    Column("sglang-standin", "sglang", "colorl.engines.sglang:SGLangEngine", rank="standin_rank:sglang_standin_rank"),
-    Column("vllm", "vllm", "colorl.engines.vllm:VLLMEngine", needs="vllm"),
+    Column("native", "native"),
+    Column("hf", "hf"),
+    Column("sglang-standin", "sglang", rank="standin_rank:sglang_standin_rank"),
+    Column("vllm", "vllm", needs="vllm"),
 ]
 BASE = ["task.reward=reward_fns:long_is_right", "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4",
         "filter.zero_variance=true", "train.lr=1e-2", "launch.device=auto", "launch.nproc=1"]
@@ -83,7 +83,7 @@ def parameters(function) -> list[tuple[str, str, object]]:
 
 
 def test_every_engine_has_the_interfaces_signatures(column):
-    cls = column.load(column.cls)
+    cls = engine_class(column.engine)
     assert issubclass(cls, Engine)
     differing = {name: (parameters(getattr(cls, name)), parameters(getattr(Engine, name))) for name in INTERFACE
                  if parameters(getattr(cls, name)) != parameters(getattr(Engine, name))}
@@ -165,8 +165,6 @@ def test_colocated_sleep1_full_weights_eval_zero_variance(column, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column, tmp_path):
-    from colorl.engines import engine_class
-
     keep = engine_class(column.engine).keeps_kv_across_updates
     sets = [*RESUMABLE, LORA, "mode=bounded_lag", "staleness.max=1", "rollout.batch_groups=1",
             "staleness.redundancy={level: batch, ratio: 1.0}", f"staleness.partial_rollout={'keep' if keep else 'recompute'}"]
