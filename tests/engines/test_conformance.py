@@ -17,12 +17,12 @@ The SGLang column is colorl's real adapter over the CPU stand-in of the package
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import json
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -36,11 +36,23 @@ from colorl.launch import launch
 from colorl.worker import prepare_run_dir
 
 
+def _checked_rank() -> Callable:
+    from colorl.doctor import checked_rank
+
+    return checked_rank
+
+
+def _standin_rank() -> Callable:
+    from standin_rank import sglang_standin_rank  # tests/helpers: installs the stand-in in the rank
+
+    return sglang_standin_rank
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
     engine: str  # rollout.engine (its class comes from colorl.engines' registry)
-    rank: str = "colorl.doctor:checked_rank"  # "module:function" each rank runs
+    rank: Callable[[], Callable] = _checked_rank  # gives the function each rank runs
     needs: str | None = None  # a package the engine needs here; skipped when it is not importable
 
     def skip_reason(self) -> str | None:
@@ -48,15 +60,12 @@ class Column:
             return f"{self.needs} is not importable here (it runs in its own venv, .venv-{self.needs})"
         return None
 
-    def load(self, spec: str):
-        module, _, name = spec.partition(":")
-        return getattr(importlib.import_module(module), name)
 
 
 COLUMNS = [
     Column("native", "native"),
     Column("hf", "hf"),
-    Column("sglang-standin", "sglang", rank="standin_rank:sglang_standin_rank"),
+    Column("sglang-standin", "sglang", rank=_standin_rank),
     Column("vllm", "vllm", needs="vllm"),
 ]
 BASE = ["task.reward=reward_fns:long_is_right", "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4",
@@ -101,7 +110,7 @@ def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = F
     prepare_run_dir(cfg, run_dir, resume)
     report_dir = run_dir / ("doctor-resumed" if resume else "doctor")
     report_dir.mkdir()
-    failure = launch(column.load(column.rank), cfg.launch.nproc, "cpu",
+    failure = launch(column.rank(), cfg.launch.nproc, "cpu",
                      (cfg.model_dump(mode="json"), str(run_dir), resume, "cpu", str(report_dir)), 120)
     assert failure is None, f"{column.name} run failed on rank {failure.rank}: {failure.error}"
     return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(cfg.launch.nproc)]
