@@ -81,6 +81,9 @@ NOTES: dict[str, str] = {
     "train.logits_chunk_tokens": "Trained positions whose [tokens, vocab] logits are computed at a time.",
     "train.grad_clip": "Clip the global gradient norm to this value.",
     "train.offload_optimizer": "Keep the optimizer state in host memory between steps (GPU memory saver).",
+    "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
+                                 "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
+                                 "a sync re-sends only the adapted matrices and would leave the rest released.",
     "train.max_nonfinite_in_a_row": "Stop the run after this many steps in a row with a non-finite loss or "
                                     "gradient norm (their optimizer steps are skipped); the last good step is "
                                     "saved as the newest checkpoint first.",

@@ -99,7 +99,7 @@ class RankContext:
         a slice), else None.
 
         run_eval: how to run it on this rank's engine (bounded-lag mode hands the eval to its rollout
-        thread); by default the engine is woken for it and put back to sleep.
+        thread); by default the engine is woken for it and put back to sleep at level 1.
         """
         every, step = self.cfg.run.eval_every, self.state.step
         if not every or (step % every and step != self.cfg.run.steps):  # the last step always: before → after
@@ -109,7 +109,9 @@ class RankContext:
         if run_eval is None:
             self.engine.wake()
             result = self.evaluate_problems(problems)
-            self.engine.sleep(self.cfg.engine.sleep_level)
+            # level 1 whatever engine.sleep_level says: the weights are current and no sync comes
+            # before the next wake to restore them, which level 2 would require
+            self.engine.sleep(1)
         else:
             result = run_eval(problems)
         totals = torch.tensor([result.accuracy * result.problems, float(result.problems)], dtype=torch.float64)
@@ -228,7 +230,9 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     trainer = PolicyTrainer(model_dir, cfg, device, dtype)
     # C = rollout.concurrency counts sequences in flight over all ranks; each engine takes its share
     per_rank_concurrency = -(-cfg.rollout.concurrency // world)
-    engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency)})
+    backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.engine.sleep_level == 2)
+    engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency),
+                                               "weights_cpu_backup": backup})
     engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, dtype)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 

@@ -83,8 +83,11 @@ class Engine(ABC):
     def abort(self, request_ids: Iterable[str]) -> None: ...
 
     @abstractmethod
-    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
-        """Stop the requests and hand back what they generated so far (finish_reason 'interrupt')."""
+    def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[GenerationResult]:
+        """Stop the requests and hand back what they generated so far (finish_reason 'interrupt').
+
+        keep_kv: the caller will re-add them with the same tokens soon (e.g. after an evaluation):
+        an engine that can keeps their KV for that; one that cannot re-prefills them then."""
 
     @abstractmethod
     def named_weights(self) -> Mapping[str, torch.Tensor]:

@@ -49,7 +49,8 @@ class HFEngine(Engine):
         ids = set(request_ids)
         self._waiting = deque(r for r in self._waiting if r.request_id not in ids)
 
-    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+    def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[GenerationResult]:
+        """Waiting requests only (a batch runs to its end): they hold no KV, so keep_kv changes nothing."""
         ids = set(request_ids)
         taken = [r for r in self._waiting if r.request_id in ids]
         self.abort(ids)

@@ -22,7 +22,9 @@ test_sglang_contract.py checks every name used here against that wheel). How col
                    `update_weight_version`, `continue_generation`).
     sleep / wake   `release_memory_occupation` / `resume_memory_occupation` with tags: KV cache at
                    level 1; KV cache, weights and CUDA graphs at level 2 (weights come back with
-                   the next sync, which must happen before `wake`).
+                   the next sync, which must happen before `wake`; with LoRA a sync re-sends only
+                   the adapted matrices, so `engine.weights_cpu_backup` — SGLang's
+                   `enable_weights_cpu_backup` — keeps a host copy of the rest).
     abort          `tokenizer_manager.abort_request(rid=...)`; the stream then ends with a chunk
                    whose finish reason is "abort", carrying the tokens generated so far, which
                    `interrupt` hands back.
@@ -52,6 +54,7 @@ SGLANG_VERSION = "0.5.23"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 RELEASE_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights", "cuda_graph")}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+VERIFY_ROWS = 64  # rows of each weight read back for the check after a sync
 
 
 def unavailable_reason() -> str | None:
@@ -114,6 +117,8 @@ class SGLangEngine(Engine):
             model_path=str(model_dir), dtype=DTYPE_NAMES[dtype], skip_tokenizer_init=True,
             mem_fraction_static=engine_cfg.memory_fraction, max_running_requests=engine_cfg.max_num_seqs,
             enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
+            # without it a level-2 release discards the weights, and a LoRA sync restores only its targets
+            enable_weights_cpu_backup=engine_cfg.weights_cpu_backup,
         )
         self._loop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
@@ -199,9 +204,13 @@ class SGLangEngine(Engine):
     def abort(self, request_ids: Iterable[str]) -> None:
         self.interrupt(request_ids)
 
-    def interrupt(self, request_ids: Iterable[str]) -> list[GenerationResult]:
+    def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[GenerationResult]:
         """Abort in SGLang and wait for each stream's last chunk: the tokens generated so far
-        (finish reason "interrupt"; a request that finished first keeps its own reason)."""
+        (finish reason "interrupt"; a request that finished first keeps its own reason).
+
+        keep_kv: SGLang frees an aborted request's KV slots (its scheduler's abort path); what it
+        keeps is in the radix cache, which serves the re-added request's prefix if nothing has
+        flushed or evicted it since. There is no stronger promise to give."""
         stopping = [self._live[rid] for rid in list(request_ids) if rid in self._live]
         for live in stopping:
             live.interrupted = True
@@ -217,6 +226,20 @@ class SGLangEngine(Engine):
         """Meta tensors with SGLang's checkpoint names (those of the HF model): only whole tensors
         can be loaded, through `update_weights_from_tensor`."""
         return self._weights
+
+    def read_weights(self, rows: int = VERIFY_ROWS) -> dict[str, torch.Tensor]:
+        """The first `rows` rows of every weight as SGLang serves them (`get_weights_by_name`, which
+        returns float32 lists: exact for bf16/fp16 weights), for the bit-exact check after a sync.
+        SGLang answers it for the Llama family (not Qwen2 in 0.5.23), and only row prefixes are
+        practical: it returns Python lists."""
+        served = {}
+        for name, meta in self._weights.items():
+            values = self._engine.get_weights_by_name(name, truncate_size=rows)
+            if values is None:
+                raise RuntimeError(f"sglang get_weights_by_name({name!r}) gave nothing: this model family "
+                                   f"cannot be read back from SGLang {SGLANG_VERSION}")
+            served[name] = torch.tensor(values, dtype=torch.float32).to(meta.dtype)
+        return served
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One bucket of (HF name, full tensor); the first of a sync opens the update."""

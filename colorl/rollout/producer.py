@@ -207,9 +207,7 @@ class RolloutProducer:
 
     def _park(self) -> list[GenerationResult]:
         ids = [rid for f in self._flights.values() for rid in f.running]
-        if getattr(self.engine, "keeps_kv_across_updates", False):
-            return self.engine.interrupt(ids, keep_kv=True)
-        return self.engine.interrupt(ids)
+        return self.engine.interrupt(ids, keep_kv=True)  # re-added right after the evaluation
 
     def _add_back(self, partial: list[GenerationResult]) -> None:
         """Re-add interrupted samples with what they generated (their tokens keep their versions)."""

@@ -8,8 +8,9 @@ LoRA the merge W0 + s·BA of the current adapters, cast to the engine weight's d
 checkpoint engine writes it.
 
 An engine whose weights live in another process (SGLang) returns meta tensors from
-`named_weights()`; it is checked through its `read_weights()` (name -> tensor as served), and an
-engine that offers neither cannot be checked: `WeightCheckUnavailable`.
+`named_weights()`; it is checked through its `read_weights()` (name -> tensor as served, or the
+first rows of it: SGLang reads weights back as Python lists), and an engine that offers neither
+cannot be checked: `WeightCheckUnavailable`.
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def served_weights(engine) -> Mapping[str, torch.Tensor]:
             f"{type(engine).__name__} keeps its weights in another process and has no read_weights(): "
             f"the weights it serves after a sync cannot be compared with the trainer's")
     return reader()
+
+
+def _equal_rows(served: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit-equal; an engine read back through row prefixes (SGLang) is compared on those rows."""
+    rows = served.shape[0] if served.dim() else 0
+    if served.shape != expected.shape and (served.dim() != expected.dim() or served.shape[1:] != expected.shape[1:]
+                                           or not 0 < rows <= expected.shape[0]):
+        return False
+    return torch.equal(served.to(expected.device), expected.narrow(0, 0, rows) if served.dim() else expected)
 
 
 class SyncVerifier:
@@ -80,7 +90,7 @@ class SyncVerifier:
         served = served_weights(engine)
         missing = sorted(set(self.engine_specs) - set(expected))
         differing = [name for name, tensor in expected.items()
-                     if name not in served or not torch.equal(served[name].to(tensor.device), tensor)]
+                     if name not in served or not _equal_rows(served[name], tensor)]
         if missing or differing:
             names = missing + differing
             raise WeightMismatch(

@@ -132,8 +132,9 @@ class Engine:
         while True:
             await tm._resumed.wait()
             if state.aborted:
+                del tm.rid_to_state[state.rid]  # as _handle_batch_output: gone before the last chunk is read
                 yield self._chunk(state, {"type": "abort", "message": "Abort in waiting queue"})
-                break
+                return
             assert "kv_cache" not in self.released, "generation while the KV cache is released"
             with torch.no_grad():
                 logits = self.model(torch.tensor([state.input_ids + state.output_ids])).logits[0, -1].float()
@@ -146,11 +147,12 @@ class Engine:
                 finish = {"type": "stop", "matched": token}
             elif len(state.output_ids) >= params["max_new_tokens"]:
                 finish = {"type": "length", "length": params["max_new_tokens"]}
-            yield self._chunk(state, finish)
             if finish is not None:
-                break
+                del tm.rid_to_state[state.rid]
+                yield self._chunk(state, finish)
+                return
+            yield self._chunk(state, finish)
             await asyncio.sleep(0)
-        del tm.rid_to_state[state.rid]
 
     def _chunk(self, state: _Req, finish: dict | None) -> dict:
         meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(state.input_ids),
@@ -184,6 +186,14 @@ class Engine:
                 params[name].copy_(tensor)
         return True, "Success"
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        """As LlamaForCausalLM.get_weights_by_name: the first `truncate_size` rows as float32 lists."""
+        self.calls.append(("get_weights_by_name", name, truncate_size))
+        params = dict(self.model.named_parameters())
+        if name == "lm_head.weight" and name not in params:
+            name = "model.embed_tokens.weight"
+        return params[name].detach().cpu().to(torch.float32).numpy().tolist()[:truncate_size]
+
     def flush_cache(self):
         idle = not self.tokenizer_manager.rid_to_state
         self.calls.append(("flush_cache", idle))
@@ -194,7 +204,9 @@ class Engine:
         assert not self.tokenizer_manager.rid_to_state, "release_memory_occupation should be called only when idle"
         self.calls.append(("release_memory_occupation", tuple(tags)))
         self.released.update(tags)
-        if "weights" in tags:
+        if "weights" in tags:  # gone, unless enable_weights_cpu_backup saved them to host memory
+            if self.kwargs.get("enable_weights_cpu_backup"):
+                self.cpu_backup = {n: p.detach().clone() for n, p in self.model.named_parameters()}
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.fill_(float("nan"))
@@ -202,6 +214,11 @@ class Engine:
     def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume_memory_occupation", tuple(tags)))
         self.released.difference_update(tags)
+        if "weights" in tags and getattr(self, "cpu_backup", None) is not None:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(self.cpu_backup[name])
+            self.cpu_backup = None
 
     def shutdown(self):
         self.calls.append(("shutdown",))
