@@ -90,8 +90,9 @@ class StalenessBuffer(Protocol):
     def complete(self, slot: Slot) -> list[Slot]:
         """Occupy (after reward); returns slots evicted by it (queue_drop), else []."""
 
-    def release(self, slot: Slot) -> None:
-        """Abort or filter: free the slot's entry, reserved or occupied."""
+    def release(self, slot: Slot) -> list[Slot]:
+        """Abort or filter: free the slot's entry, reserved or occupied. Returns the slots aborted
+        because of it (batch-level redundancy: a buffer the release filled closes), else []."""
 
     def take(self, version: int) -> Taken:
         """Consume a batch for the trainer at `version`."""

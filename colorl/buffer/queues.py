@@ -51,13 +51,14 @@ class _Queue:
     def _evict(self) -> list[Slot]:
         return []
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot) -> list[Slot]:
         expect(slot, RESERVED, OCCUPIED)
         if slot.state == RESERVED:
             self._in_flight -= 1
         else:
             self.queue.remove(slot)
         slot.state = RELEASED
+        return []
 
     def _batch(self) -> list[Slot]:
         popleft = self.queue.popleft

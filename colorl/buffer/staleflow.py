@@ -114,7 +114,7 @@ class StaleFlowBuffers:
             raise AssertionError("occupy found no free entry")  # the hole itself is free
         return []
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: Slot) -> list[Slot]:
         expect(slot, RESERVED, OCCUPIED)
         buf = self.buffers[slot.vbuf]
         hole = self._delete(slot, buf.reserved if slot.state == RESERVED else buf.occupied)
@@ -124,7 +124,7 @@ class StaleFlowBuffers:
             src = next((b for v in range(hole + 1, last + 1)
                         if (b := self.buffers.get(v)) is not None and b.occupied), None)
             if src is None:
-                return
+                return []
             moved = src.occupied.pop(0)
             src.free += 1
             dst = self.buffers[hole]
@@ -185,7 +185,7 @@ class StaleFlowBuffers:
 class RedundantStaleFlowBuffers(StaleFlowBuffers):
     """Batch-level redundant rollout (paper Fig. 8b): every buffer has `surplus` extra entries
     and is Ready as soon as `groups_per_step` of them are occupied; its reservations still in
-    flight are then aborted (returned by `complete`, state "released") and the buffer closes,
+    flight are then aborted (returned by `complete` or `release`, state "released") and the buffer closes,
     so the slowest groups of a step never hold it up. Shifts lengths short: the aborted groups
     are the long ones."""
 
@@ -204,10 +204,21 @@ class RedundantStaleFlowBuffers(StaleFlowBuffers):
 
     def complete(self, slot: Slot) -> list[Slot]:
         super().complete(slot)
-        buf = self.buffers[slot.vbuf]
-        if len(buf.occupied) < self.groups_per_step:
-            return []
-        aborted, buf.reserved, buf.free = buf.reserved, [], 0
-        for other in aborted:
-            other.state, other.vbuf = RELEASED, -1
+        return self._close_full()
+
+    def release(self, slot: Slot) -> list[Slot]:
+        """A release pulls occupied entries forward and may fill a buffer that still has
+        reservations: it closes like one that a completion filled."""
+        super().release(slot)
+        return self._close_full()
+
+    def _close_full(self) -> list[Slot]:
+        """Every buffer with `groups_per_step` occupied entries: abort its reservations, close it."""
+        aborted = []
+        for buf in self.buffers.values():
+            if len(buf.occupied) >= self.groups_per_step and (buf.reserved or buf.free):
+                for other in buf.reserved:
+                    other.state, other.vbuf = RELEASED, -1
+                aborted += buf.reserved
+                buf.reserved, buf.free = [], 0
         return aborted

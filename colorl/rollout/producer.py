@@ -293,11 +293,12 @@ class RolloutProducer:
         with self._cv:
             del self._flights[flight.ticket]
             if self.drop_zero_variance and not group.has_signal:
-                self.buffer.release(slot)  # frees the entry: a new prompt takes it
+                evicted = self.buffer.release(slot)  # frees the entry: a new prompt takes it
                 self._window.groups_filtered += 1
             else:
-                for evicted in self.buffer.complete(slot):
-                    self._evicted(evicted)
+                evicted = self.buffer.complete(slot)
+            for other in evicted:
+                self._evicted(other)
             self._cv.notify_all()
 
     def _evicted(self, slot: Slot) -> None:
