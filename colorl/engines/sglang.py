@@ -38,9 +38,12 @@ SGLang's pool size; SGLang's own allocator is not queried per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,19 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 RELEASE_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights", "cuda_graph")}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 VERIFY_ROWS = 64  # rows of each weight read back for the check after a sync
+HOST_SIGNALS = (signal.SIGTERM, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _without_torchelastic_env():
+    """SGLang's scheduler is a child process that inherits this environment; under torchrun it
+    would find TORCHELASTIC_USE_AGENT_STORE and its own init_process_group would wait on an agent
+    store nobody serves. The child starts without torchelastic's variables; this process keeps them."""
+    saved = {key: os.environ.pop(key) for key in list(os.environ) if key.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def unavailable_reason() -> str | None:
@@ -113,14 +129,17 @@ class SGLangEngine(Engine):
         self._version = 0
         self._block_size = engine_cfg.block_size
         gpu = torch.cuda.current_device() if torch.device(device).type == "cuda" else 0
-        self._engine = sglang.Engine(
-            model_path=str(model_dir), dtype=DTYPE_NAMES[dtype], skip_tokenizer_init=True,
-            mem_fraction_static=engine_cfg.memory_fraction, max_running_requests=engine_cfg.max_num_seqs,
-            enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
-            # without it a level-2 release discards the weights, and a LoRA sync restores only its targets
-            enable_weights_cpu_backup=engine_cfg.weights_cpu_backup,
-        )
+        self._host_handlers = {sig: signal.getsignal(sig) for sig in HOST_SIGNALS}
+        with _without_torchelastic_env():
+            self._engine = sglang.Engine(
+                model_path=str(model_dir), dtype=DTYPE_NAMES[dtype], skip_tokenizer_init=True,
+                mem_fraction_static=engine_cfg.memory_fraction, max_running_requests=engine_cfg.max_num_seqs,
+                enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
+                # without it a level-2 release discards the weights, and a LoRA sync restores only its targets
+                enable_weights_cpu_backup=engine_cfg.weights_cpu_backup,
+            )
         self._loop = self._engine.loop
+        self._keep_host_signal_handlers()
         self._tm = self._engine.tokenizer_manager
         self._kv_tokens_total = int(self._engine.get_server_info()["max_total_num_tokens"])
         model = meta_model(AutoConfig.from_pretrained(model_dir), dtype)
@@ -149,7 +168,19 @@ class SGLangEngine(Engine):
         stream = self._loop.run_until_complete(self._engine.async_generate(
             input_ids=list(request.prompt_ids) + list(request.output_ids), sampling_params=params,
             return_logprob=True, stream=True, rid=request.request_id))
+        self._keep_host_signal_handlers()
         self._live[request.request_id] = _Live(request, stream, self._arm(stream), self._version)
+
+    def _keep_host_signal_handlers(self) -> None:
+        """SGLang's tokenizer manager puts its own SIGTERM/SIGQUIT handlers on the event loop at the
+        first request (main thread only), and a multi-node start sets one with signal.signal: give
+        the process's own handlers back (colorl's SIGTERM saves a checkpoint at the step boundary)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._host_handlers.items():
+            self._loop.remove_signal_handler(sig)
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
 
     def _arm(self, stream) -> asyncio.Future:
         return asyncio.ensure_future(_next_chunk(stream), loop=self._loop)

@@ -9,12 +9,18 @@ spans. Behind it runs a real tiny Hugging Face model, so a weight update changes
 and the log-probs can be checked against the model. Semantics it enforces like SGLang does:
 `update_weights_from_tensor` only inside begin/end_weight_update and, with requests in flight,
 only while generation is paused; releasing memory only when idle; released weights lose their
-contents (NaN) until loaded again; no generation while the KV cache is released.
+contents (NaN) until loaded again unless `enable_weights_cpu_backup`; no generation while the KV
+cache is released; its scheduler child hangs (here: fails at start) when it inherits torchrun's
+`TORCHELASTIC_USE_AGENT_STORE`; the tokenizer manager's first request installs SIGTERM and SIGQUIT
+handlers on the event loop from the main thread (`auto_create_handle_loop`).
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,8 +72,22 @@ class TokenizerManager:
         self.engine = engine
         self.rid_to_state: dict[str, _Req] = {}
         self.is_pause = False
+        self.event_loop = None
         self._resumed = asyncio.Event()
         self._resumed.set()
+
+    def auto_create_handle_loop(self):
+        """As TokenizerManager.auto_create_handle_loop: once, and from the main thread only, SGLang's
+        SIGTERM (drain and shut down) and SIGQUIT handlers go onto the event loop."""
+        if self.event_loop is not None:
+            return
+        self.event_loop = self.engine.loop
+        if threading.current_thread() is threading.main_thread():
+            self.event_loop.add_signal_handler(signal.SIGTERM, self._sigterm)
+            self.event_loop.add_signal_handler(signal.SIGQUIT, self._sigterm)
+
+    def _sigterm(self):
+        self.engine.calls.append(("sigterm",))
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.engine.calls.append(("abort_request", rid))
@@ -103,6 +123,9 @@ class Engine:
     instances: list["Engine"] = []
 
     def __init__(self, **kwargs):
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE"):  # its scheduler's init_process_group would wait
+            raise RuntimeError("scheduler child inherited TORCHELASTIC_USE_AGENT_STORE: it would wait forever "
+                               "on a torchelastic agent store nobody serves")
         self.kwargs = kwargs
         self.calls: list[tuple] = []
         self.model = load_model(Path(kwargs["model_path"]), DTYPES[kwargs.get("dtype", "float32")]).eval()
@@ -120,6 +143,7 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              stream=False, rid=None):
         assert prompt is None and stream and return_logprob, "colorl asks for ids, streamed, with log-probs"
+        self.tokenizer_manager.auto_create_handle_loop()
         self.calls.append(("async_generate", rid))
         state = _Req(rid, list(input_ids), dict(sampling_params))
         self.tokenizer_manager.rid_to_state[rid] = state

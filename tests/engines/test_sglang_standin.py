@@ -201,3 +201,38 @@ def test_bf16_lora_merges_float32_adapters_into_bf16_engine_weights(model_dir, m
         assert p.dtype == torch.bfloat16
         assert torch.allclose(p.float(), merged[name], rtol=1e-2, atol=1e-2), name
     engine.shutdown()
+
+
+def test_scheduler_child_starts_without_torchrun_agent_store(model_dir, monkeypatch):
+    """Issue 19 defect 6: under torchrun the scheduler child must not inherit TORCHELASTIC_USE_AGENT_STORE
+    (its init_process_group would wait on an agent store nobody serves); this process keeps it."""
+    import os
+
+    standin.install(monkeypatch)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    built = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.float32)
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["TORCHELASTIC_RUN_ID"] == "abc"
+    built.shutdown()
+
+
+def test_colorls_sigterm_handler_survives_sglangs_loop(model_dir, monkeypatch):
+    """Issue 19 defect 7: the tokenizer manager's first request puts SGLang's SIGTERM handler on the
+    event loop; the adapter gives the process's own back, so a SIGTERM still reaches it (under torchrun,
+    colorl's handler saves a checkpoint at the step boundary)."""
+    import os
+    import signal
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        standin.install(monkeypatch)
+        built = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.float32)
+        built.generate([request("a")])
+        assert fake(built).tokenizer_manager.event_loop is not None  # SGLang's handlers were installed
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM]
+        assert ("sigterm",) not in fake(built).calls
+        built.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
