@@ -141,6 +141,7 @@ class EngineConfig(Section):
     max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
     sleep_level: Literal[1, 2] = 1
     weights_cpu_backup: bool = False  # a host copy of the weights while asleep at level 2 (LoRA turns it on)
+    in_flight_updates: bool = False  # set from `mode`: weights change while requests run (bounded-lag)
 
 
 class LaunchConfig(Section):

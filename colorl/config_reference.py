@@ -84,6 +84,10 @@ NOTES: dict[str, str] = {
     "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
                                  "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
                                  "a sync re-sends only the adapted matrices and would leave the rest released.",
+    "engine.in_flight_updates": "Set by colorl from `mode` (true in bounded-lag, where new weights reach requests "
+                                "in flight); a value given here is replaced. SGLang then runs without its radix "
+                                "cache and without overlap scheduling: no request starts from prompt KV of an "
+                                "older version, and no token computed before a pause is stamped with the newer one.",
     "train.max_nonfinite_in_a_row": "Stop the run after this many steps in a row with a non-finite loss or "
                                     "gradient norm (their optimizer steps are skipped); the last good step is "
                                     "saved as the newest checkpoint first.",

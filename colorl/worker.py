@@ -232,7 +232,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     per_rank_concurrency = -(-cfg.rollout.concurrency // world)
     backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.engine.sleep_level == 2)
     engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency),
-                                               "weights_cpu_backup": backup})
+                                               "weights_cpu_backup": backup,
+                                               "in_flight_updates": cfg.mode == "bounded_lag"})
     engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, dtype)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 

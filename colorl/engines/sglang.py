@@ -29,9 +29,14 @@ test_sglang_contract.py checks every name used here against that wheel). How col
                    whose finish reason is "abort", carrying the tokens generated so far, which
                    `interrupt` hands back.
 
-Deviations: in-flight updates keep each running request's KV cache (PipelineRL style, pause mode
-"in_place"), and the radix prefix cache is flushed only when no request is in flight, so a new
-request may reuse prompt KV computed by the previous version until then. `stats()` counts KV
+Versions stay honest in bounded-lag (`engine.in_flight_updates`): in-flight updates keep each
+running request's KV cache (PipelineRL style, pause mode "in_place", which sets a flag and leaves
+the scheduler's state as it is); SGLang flushes its radix cache only when fully idle, which in
+bounded-lag may never happen, so the radix cache is off there (no request starts from prompt KV
+of an older version); and the overlap scheduler is off too, since an in-place pause leaves an
+already-launched batch's result queued, and its token, computed on the old weights, would be
+counted after the version change. Colocated mode syncs when idle: both stay on, and the cache
+is flushed after every update. `stats()` counts KV
 blocks from the lengths of the requests in flight (`engine.block_size` tokens a block) against
 SGLang's pool size; SGLang's own allocator is not queried per step.
 """
@@ -137,6 +142,10 @@ class SGLangEngine(Engine):
                 enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
                 # without it a level-2 release discards the weights, and a LoRA sync restores only its targets
                 enable_weights_cpu_backup=engine_cfg.weights_cpu_backup,
+                # bounded-lag: the radix cache could not be flushed (SGLang flushes only when idle) and
+                # an overlapped batch could finish a token on the old weights after an in-place pause
+                disable_radix_cache=engine_cfg.in_flight_updates,
+                disable_overlap_schedule=engine_cfg.in_flight_updates,
             )
         self._loop = self._engine.loop
         self._keep_host_signal_handlers()

@@ -203,6 +203,9 @@ class Engine:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         busy = any(not s.aborted for s in self.tokenizer_manager.rid_to_state.values())
         assert not busy or self.tokenizer_manager.is_pause, "would wait for the requests in flight (writer lock)"
+        if busy:  # what SGLang 0.5.23 would get wrong with requests in flight
+            assert self.kwargs.get("disable_radix_cache"), "radix cache keeps prompt KV of the old weights (no flush while busy)"
+            assert self.kwargs.get("disable_overlap_schedule"), "an in-place pause leaves an overlapped batch's token on the old weights"
         assert "weights" not in self.released, "weights loaded into released memory"
         params = dict(self.model.named_parameters())
         with torch.no_grad():

@@ -48,7 +48,7 @@ def engine(model_dir, monkeypatch):
 
 
 def fake(engine) -> "standin.Engine":
-    return standin.Engine.instances[-1]
+    return engine._engine  # the stand-in sglang.Engine behind this adapter
 
 
 def names(calls) -> list[str]:
@@ -151,7 +151,32 @@ def test_interrupt_hands_back_partial_tokens_and_abort_drops(engine):
     assert len(done["a"].output_ids) == LONG.max_new_tokens and done["a"].finish_reason == "length"
 
 
-def test_in_flight_update_pauses_in_place_and_stamps_token_versions(engine, trained):
+@pytest.fixture
+def bounded_lag_engine(model_dir, monkeypatch):
+    """As bounded-lag mode builds it: weights change while requests are in flight."""
+    standin.install(monkeypatch)
+    built = build_engine("sglang", model_dir, EngineConfig(max_num_seqs=8, in_flight_updates=True), "cpu", torch.float32)
+    yield built
+    built.shutdown()
+
+
+def test_in_flight_updates_run_without_radix_cache_and_overlap(bounded_lag_engine, engine, trained):
+    """Issue 19 defect 8: SGLang flushes its radix cache only when idle and an in-place pause leaves an
+    overlapped batch's token queued; with in-flight updates both are off (the stand-in refuses an
+    in-flight update otherwise), in colocated mode both stay on."""
+    assert fake(bounded_lag_engine).kwargs["disable_radix_cache"] is True
+    assert fake(bounded_lag_engine).kwargs["disable_overlap_schedule"] is True
+    assert fake(engine).kwargs["disable_radix_cache"] is False and fake(engine).kwargs["disable_overlap_schedule"] is False
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
+    sync.sync(engine, 1)
+    engine.add(request("x", LONG))
+    engine.step()
+    with pytest.raises(AssertionError, match="radix cache keeps prompt KV"):
+        sync.publish(2).apply(engine)
+
+
+def test_in_flight_update_pauses_in_place_and_stamps_token_versions(bounded_lag_engine, trained):
+    engine = bounded_lag_engine
     sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)  # start-up load (idle)
     sync.sync(engine, 1)
     engine.add(request("x", LONG))
