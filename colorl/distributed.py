@@ -51,3 +51,16 @@ def run_world(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def release_cached_device_memory(device: str | torch.device) -> None:
+    """Give the device memory this process's caching allocator holds back to the driver.
+
+    An engine in another process (SGLang's scheduler) can only map memory that this process has
+    returned: without this, its `resume_memory_occupation` at wake meets the trainer's cached
+    blocks (gradients, optimizer temporaries, the checkpoint engine's buckets) and runs out of
+    memory. Waits for the queued work that still uses those blocks first. Nothing to do on CPU.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colorl import faults
+from colorl import distributed, faults
 from colorl.config import Config, dump_config
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
@@ -107,7 +107,7 @@ class RankContext:
         faults.point("eval", self.state.step)
         problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
         if run_eval is None:
-            self.engine.wake()
+            self.wake_engine()
             result = self.evaluate_problems(problems)
             # level 1 whatever engine.sleep_level says: the weights are current and no sync comes
             # before the next wake to restore them, which level 2 would require
@@ -117,6 +117,12 @@ class RankContext:
         totals = torch.tensor([result.accuracy * result.problems, float(result.problems)], dtype=torch.float64)
         dist.all_reduce(totals)
         return float(totals[0] / totals[1]) if totals[1] else None
+
+    def wake_engine(self) -> None:
+        """Wake the engine after training or a sync: first the memory hand-off (an engine in another
+        process can only use device memory this process has given back)."""
+        distributed.release_cached_device_memory(self.device)
+        self.engine.wake()
 
     def evaluate_problems(self, problems: list) -> EvalResult:
         return evaluate(self.engine, problems, self.reward_fn, self.tokenizer, self.cfg.rollout.max_new_tokens,

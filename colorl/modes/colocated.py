@@ -24,7 +24,7 @@ def run_colocated(ctx, stop) -> None:
     while ctx.state.step < cfg.run.steps:
         times = StepTimes()
         ctx.display.phase("rollout")
-        engine.wake()
+        ctx.wake_engine()  # after the memory hand-off
         faults.point("rollout", ctx.state.step + 1)
         indices = list(ctx.problem_indices(ctx.state.step))
         problems = [ctx.task.train_problem(i) for i in indices]
