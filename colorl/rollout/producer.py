@@ -172,7 +172,7 @@ class RolloutProducer:
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while not self._stop.is_set():
-                    self._apply_newest_weights(stream)
+                    self._apply_newest_weights()
                     self._serve_eval()
                     self._admit()
                     self._step()
@@ -181,14 +181,12 @@ class RolloutProducer:
                 self._error = traceback.format_exc()
                 self._cv.notify_all()
 
-    def _apply_newest_weights(self, stream) -> None:
+    def _apply_newest_weights(self) -> None:
         pending = self.ctx.weight_sync.pending_version
         if pending is None:
             return
         faults.point("apply_weights", pending)  # step `pending` published the version applied here
-        if stream is not None:  # the published buckets were written on the trainer's stream
-            stream.wait_stream(torch.cuda.default_stream(stream.device))
-        stats = self.ctx.weight_sync.apply_pending(self.engine)
+        stats = self.ctx.weight_sync.apply_pending(self.engine)  # orders itself after the publish (an event)
         if stats is None:
             return
         self._window.apply_s += stats.time_sync_s

@@ -92,10 +92,22 @@ class StagedUpdate:
     stats: SyncStats  # the gather, on the trainer side
     owner: "CheckpointEngine" = field(repr=False)
     expected: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # with verification on
+    # CUDA: recorded on the trainer's stream once the buckets are written; None on CPU
+    written: "torch.cuda.Event | None" = field(default=None, repr=False)
 
     def apply(self, engine: Engine) -> SyncStats:
-        """Write into `engine` and set its version; only where the engine is between steps."""
+        """Write into `engine` and set its version; only where the engine is between steps.
+
+        On CUDA the copies are queued on the caller's stream (the rollout thread's): it waits for
+        the trainer's stream only up to the moment the buckets were written (an event, not the
+        whole stream), and the buckets are marked as used by it, so the caching allocator does not
+        hand their memory out again before these copies ran — no CPU-side synchronize."""
         start = time.perf_counter()
+        if self.written is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.written)
+            for _, flat in self.buckets:
+                flat.record_stream(stream)
         specs = self.owner._plan.specs
         self.owner._write(engine, (row_blocks(bucket, specs, flat) for bucket, flat in self.buckets))
         engine.version = self.version
@@ -260,7 +272,11 @@ class CheckpointEngine:
         buckets = [(bucket, flat.clone()) for bucket, flat in self._gathered(self._plan)]
         stats = SyncStats(version, time.perf_counter() - start, self._plan.nbytes, len(buckets))
         expected = self.verifier.expected() if self.verifier is not None else None
-        staged = StagedUpdate(version, buckets, stats, self, expected)
+        written = None
+        if buckets and buckets[0][1].is_cuda:
+            written = torch.cuda.Event()
+            written.record()  # on the trainer's stream, after the gathers and clones
+        staged = StagedUpdate(version, buckets, stats, self, expected, written)
         with self._lock:
             self._pending = staged
         return staged
@@ -271,12 +287,7 @@ class CheckpointEngine:
             staged, self._pending = self._pending, None
         if staged is None:
             return None
-        stats = staged.apply(engine)
-        if any(flat.is_cuda for _, flat in staged.buckets[:1]):
-            # the buckets were allocated on the trainer's stream and are freed with `staged`: the
-            # copies queued on this (rollout) stream must be done before the allocator reuses them
-            torch.cuda.current_stream().synchronize()
-        return stats
+        return staged.apply(engine)
 
     @property
     def pending_version(self) -> int | None:

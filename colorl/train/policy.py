@@ -106,8 +106,13 @@ class PolicyTrainer:
     def offload(self) -> None:
         if self.cfg.train.offload_optimizer:
             self._move_optimizer("cpu")
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the copies are non-blocking; a checkpoint may read them next
+            if torch.device(self.device).type == "cuda":
+                # the copies are non-blocking and a checkpoint may read them next: wait for this
+                # stream's work up to here only (a device-wide synchronize would also wait for the
+                # rollout thread's stream in bounded-lag mode)
+                copied = torch.cuda.Event()
+                copied.record()
+                copied.synchronize()
 
     def _move_optimizer(self, device: str) -> None:
         # AdamW keeps `step` on the CPU on purpose: on CUDA its non-capturable path reads it with
