@@ -15,27 +15,16 @@ from rich.panel import Panel
 
 from colorl.bench.command import add_bench_parser
 from colorl.doctor import add_doctor_parser
+from colorl.exits import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUN_FAILED, fail, installed_version
 from colorl.plan import add_plan_parser
 from colorl.preflight import MachineCheckFailed, check_devices, check_resume, preflight
 from colorl.staleness.commands import add_predict_parser, add_simulate_parser
-
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 1
-EXIT_INTERRUPTED = 130  # the shell's convention for a run stopped by Ctrl-C (128 + SIGINT)
-
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")  # library progress bars (GGUF conversion, datasets); colorl says what it does
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    """One line on stderr whatever the message quotes (user text may hold line breaks or controls)."""
-    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
-    print(f"colorl: error: {line}", file=sys.stderr)
-    return code
 
 
 def cmd_train(args) -> int:
@@ -197,18 +186,9 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("colorl")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="colorl", description="single-node GRPO trainer")
-    parser.add_argument("--version", action="version", version=f"colorl {_version()}")
+    parser.add_argument("--version", action="version", version=f"colorl {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO training from a YAML config")

@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from colorl.exits import EXIT_BAD_INPUT, EXIT_RUN_FAILED, fail, installed_version
+
 STEPS = 2
 CPU_ENGINES = ("native", "hf")
 CPU_SETTINGS = ["model.path=tiny-random-llama", "model.dtype=float32", "task.name=arithmetic",
@@ -215,9 +217,7 @@ def memory_lines(outcome: Outcome, device: str) -> list[str]:
 def machine() -> dict:
     import torch
 
-    from colorl.cli import _version
-
-    info = {"colorl": _version(), "python": platform.python_version(), "torch": torch.__version__,
+    info = {"colorl": installed_version(), "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -297,7 +297,6 @@ def _flow(mapping: dict) -> str:
 
 
 def cmd_doctor(args) -> int:
-    from colorl.cli import EXIT_BAD_INPUT, EXIT_RUN_FAILED, fail
     from colorl.config import ConfigError
     from colorl.preflight import preflight
 

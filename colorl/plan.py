@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from colorl.exits import fail
+
 GiB = 2**30
 RESERVE_BYTES = 1 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
 SGLANG_RESERVE_BYTES = 1 * GiB  # SGLang's scheduler process: its own context and CUDA graphs
@@ -351,7 +353,6 @@ def plan_for_run(cfg, model_dir: Path, device_bytes: int) -> MemoryPlan:
 # -- command ---------------------------------------------------------------------------------------
 
 def cmd_plan(args) -> int:
-    from colorl.cli import fail
     from colorl.config import ConfigError, load_config
 
     try:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from colorl.bench.variants import SHORT_KEYS, Variant, VariantError, parse_modes
+from colorl.exits import EXIT_RUN_FAILED, fail
 
 MODES_HELP = ("variants, comma-separated: MODE[:key=value,...], e.g. "
               "colocated,bounded_lag:eta=1,bounded_lag:eta=2,buffer=queue_drop; keys: "
@@ -51,7 +52,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from colorl.bench import report
     from colorl.bench.progress import BenchProgress
-    from colorl.cli import EXIT_RUN_FAILED, fail
     from colorl.config import ConfigError, load_config
 
     try:
