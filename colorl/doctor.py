@@ -120,7 +120,6 @@ def checked_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bo
     from colorl.config import validate
     from colorl.metrics.display import Display
     from colorl.modes import MODES
-    from colorl.tasks.rewards import SandboxedReward
     from colorl.worker import StopRequest, build_context
 
     cfg = validate(cfg_dict)
@@ -139,11 +138,7 @@ def checked_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bo
         MODES[cfg.mode](ctx, stop)
         probe.record(current[0])
     finally:
-        ctx.display.close(ctx.history)
-        if ctx.metrics is not None:
-            ctx.metrics.close()
-        if isinstance(ctx.reward_fn, SandboxedReward):
-            ctx.reward_fn.close()
+        ctx.close()
     Path(report_dir, f"rank{rank}.json").write_text(json.dumps({
         "checked_versions": verifier.checked, "steps": ctx.state.step, "engine_version": ctx.engine.version,
         "memory": probe.rows}))

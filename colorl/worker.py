@@ -118,6 +118,14 @@ class RankContext:
         dist.all_reduce(totals)
         return float(totals[0] / totals[1]) if totals[1] else None
 
+    def close(self) -> None:
+        """After the mode's loop, however it ended: the end table, the metrics files, the reward sandbox."""
+        self.display.close(self.history)
+        if self.metrics is not None:
+            self.metrics.close()
+        if isinstance(self.reward_fn, SandboxedReward):
+            self.reward_fn.close()
+
     def wake_engine(self) -> None:
         """Wake the engine after training or a sync: first the memory hand-off (an engine in another
         process can only use device memory this process has given back)."""
@@ -281,8 +289,4 @@ def run_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bool, 
     try:
         MODES[cfg.mode](ctx, stop)
     finally:
-        ctx.display.close(ctx.history)
-        if ctx.metrics is not None:
-            ctx.metrics.close()
-        if isinstance(ctx.reward_fn, SandboxedReward):
-            ctx.reward_fn.close()
+        ctx.close()
