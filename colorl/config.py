@@ -140,6 +140,7 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
     sleep_level: Literal[1, 2] = 1
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # served dtype; null: model.dtype
     weights_cpu_backup: bool = False  # a host copy of the weights while asleep at level 2 (LoRA turns it on)
     in_flight_updates: bool = False  # set from `mode`: weights change while requests run (bounded-lag)
 

@@ -84,6 +84,10 @@ NOTES: dict[str, str] = {
     "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
                                  "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
                                  "a sync re-sends only the adapted matrices and would leave the rest released.",
+    "engine.dtype": "The dtype the engine serves; null: `model.dtype`. On GPUs serve `bfloat16` with `model.dtype: "
+                    "float32` master weights (SGLang's fa3 and flashinfer attention take fp16/bf16 only): the "
+                    "trainer keeps fp32 weights and optimizer, the checkpoint engine casts each tensor as it unpacks "
+                    "a bucket, and the check after a sync compares with the trainer's weights cast the same way.",
     "engine.in_flight_updates": "Set by colorl from `mode` (true in bounded-lag, where new weights reach requests "
                                 "in flight); a value given here is replaced. SGLang then runs without its radix "
                                 "cache and without overlap scheduling: no request starts from prompt KV of an "

@@ -248,7 +248,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency),
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})
-    engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, dtype)
+    engine_dtype = DTYPES[cfg.engine.dtype or cfg.model.dtype]  # the checkpoint engine casts to it
+    engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, engine_dtype)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 
     weight_sync = CheckpointEngine(trainer.model, engine, cfg.sync, cfg.model.lora)

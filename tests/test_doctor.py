@@ -31,7 +31,7 @@ def test_reduced_cases_pass_with_one_verdict_each_memory_and_a_report(tmp_path, 
                  *[a for c in cases for a in ("--case", c)]])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "configs/gpu-smoke.yaml's model (Qwen/Qwen2.5-0.5B-Instruct) is checked on a GPU" in out
+    assert "configs/gpu-smoke.yaml's model (smollm2-135m-instruct) is checked on a GPU" in out
     assert verdicts(out) == {case: "PASS" for case in cases}
     assert "weights bit-exact after 3 syncs (versions [0, 1, 2])" in out  # colocated: start-up, step 1, step 2
     assert re.search(r"after train +RSS \d+\.\d\d GiB", out)

@@ -60,6 +60,9 @@ from colorl.engines.base import Engine, EngineStats, GenerationRequest, Generati
 
 SGLANG_VERSION = "0.5.23"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# fa3 (Hopper) and flashinfer, SGLang's CUDA defaults, take fp16/bf16 only; torch_native (SDPA)
+# takes float32 too, slowly: float32 serving is for exactness checks, bf16 for training runs
+ATTENTION_BACKENDS = {torch.float32: "torch_native"}
 RELEASE_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights", "cuda_graph")}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 VERIFY_ROWS = 64  # rows of each weight read back for the check after a sync
@@ -138,6 +141,7 @@ class SGLangEngine(Engine):
         with _without_torchelastic_env():
             self._engine = sglang.Engine(
                 model_path=str(model_dir), dtype=DTYPE_NAMES[dtype], skip_tokenizer_init=True,
+                attention_backend=ATTENTION_BACKENDS.get(dtype),
                 mem_fraction_static=engine_cfg.memory_fraction, max_running_requests=engine_cfg.max_num_seqs,
                 enable_memory_saver=True, base_gpu_id=gpu, weight_version=str(self._version), log_level="error",
                 # without it a level-2 release discards the weights, and a LoRA sync restores only its targets

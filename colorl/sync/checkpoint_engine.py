@@ -375,11 +375,11 @@ class CheckpointEngine:
                 copies.append([self._w0[engine_names[0]]])
                 emits.append([])
             elif in_place:
-                copies.append([self._checked(weights, n) for n in engine_names])
+                copies.append([self._checked(weights, n) for n in engine_names])  # copy_ casts
                 emits.append([])
             else:
                 copies.append([])
-                emits.append(engine_names)
+                emits.append([(n, self._engine_specs[n].dtype) for n in engine_names])
         _unpack(stream, copies, emits, plan, engine)
 
     def _checked(self, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -481,9 +481,10 @@ def _can_share_memory(mesh: _Mesh, need_bytes: int) -> bool:
     return len({node for node, _ in views}) == 1 and all(ok for _, ok in views)
 
 
-def _unpack(stream: Iterable[Blocks], copies: Sequence[Sequence[torch.Tensor]], emits: Sequence[Sequence[str]],
-            plan: _Plan, engine: Engine) -> None:
-    """Copy rows into `copies[i]` in place; hand whole tensors named `emits[i]` to the engine per bucket."""
+def _unpack(stream: Iterable[Blocks], copies: Sequence[Sequence[torch.Tensor]],
+            emits: Sequence[Sequence[tuple[str, torch.dtype]]], plan: _Plan, engine: Engine) -> None:
+    """Copy rows into `copies[i]` in place; hand whole tensors `emits[i]` (engine name, the dtype it
+    serves) to the engine per bucket, cast where the engine serves another dtype."""
     assembler = Assembler(plan.specs)
     with torch.no_grad():
         for blocks in stream:
@@ -494,7 +495,8 @@ def _unpack(stream: Iterable[Blocks], copies: Sequence[Sequence[torch.Tensor]], 
                 if emits[index]:
                     full = assembler.add(index, row, block)
                     if full is not None:
-                        pairs.extend((name, full) for name in emits[index])
+                        pairs.extend((name, full if full.dtype == dtype else full.to(dtype))
+                                     for name, dtype in emits[index])
             if pairs:
                 engine.load_weights(pairs)
 

@@ -69,6 +69,12 @@ def name_map_for(model_type: str) -> NameMap:
         ) from None
 
 
+def _castable(trainer: torch.dtype, engine: torch.dtype) -> bool:
+    """The engine may serve another floating dtype than the trainer keeps (fp32 master weights,
+    bf16 serving on GPUs): the checkpoint engine casts each tensor as its bucket is unpacked."""
+    return trainer.is_floating_point and engine.is_floating_point
+
+
 def canonical_name(trainer_name: str) -> str:
     """The plain HF name of a trainer parameter: peft's wrapper prefix and base_layer removed."""
     name = trainer_name.removeprefix(PEFT_PREFIX)
@@ -88,7 +94,7 @@ def route(name_map: NameMap, trainer: Mapping[str, TensorSpec],
                 f"engine weight {engine_name} is covered twice: by {fed_by[engine_name]} and by {trainer_name}"
             )
         want, got = trainer[trainer_name], engine[engine_name]
-        if want != got:
+        if want.shape != got.shape or (want.dtype != got.dtype and not _castable(want.dtype, got.dtype)):
             raise NameMapError(
                 f"engine weight {engine_name} is {got} but trainer tensor {trainer_name} is {want}"
             )

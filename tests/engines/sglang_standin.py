@@ -126,6 +126,10 @@ class Engine:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE"):  # its scheduler's init_process_group would wait
             raise RuntimeError("scheduler child inherited TORCHELASTIC_USE_AGENT_STORE: it would wait forever "
                                "on a torchelastic agent store nobody serves")
+        dtype = kwargs.get("dtype", "auto")
+        if dtype == "float32" and kwargs.get("attention_backend") not in ("torch_native",):
+            raise ValueError(f"attention backend {kwargs.get('attention_backend') or 'fa3'} does not support "
+                             f"dtype float32 (fa3 and flashinfer take float16/bfloat16)")
         self.kwargs = kwargs
         self.calls: list[tuple] = []
         self.model = load_model(Path(kwargs["model_path"]), DTYPES[kwargs.get("dtype", "float32")]).eval()

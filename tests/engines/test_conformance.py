@@ -7,7 +7,7 @@ tiny model, each with the checkpoint engine's bit-exact check after every sync a
 
     colocated    sleep level 2, LoRA, eval after every step, zero-variance filter; resumed from
                  step 2 it trains step 3 exactly as the uninterrupted run did
-    colocated    sleep level 1, full weights, eval, zero-variance filter
+    colocated    sleep level 1, full weights served in bf16 from fp32 master weights, eval, zero-variance filter
     bounded-lag  LoRA, eval, zero-variance filter with batch-level redundancy at G/world = 1 (one
                  surplus entry, η = 1); staleness within η, no prompt trained twice, and resumed
                  from step 2 no prompt handed out before the save is lost
@@ -166,8 +166,10 @@ def test_colocated_sleep2_lora_eval_zero_variance_and_exact_resume(column, tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_colocated_sleep1_full_weights_eval_zero_variance(column, tmp_path):
-    (report,) = checked_run(column, ["run.steps=2", "engine.sleep_level=1", "mode=colocated"], tmp_path / "run")
+def test_colocated_sleep1_full_weights_eval_zero_variance_bf16_serving(column, tmp_path):
+    """The GPU dtype contract: fp32 master weights, the engine serving bf16 (cast once per sync)."""
+    (report,) = checked_run(column, ["run.steps=2", "engine.sleep_level=1", "mode=colocated", "engine.dtype=bfloat16"],
+                            tmp_path / "run")
     assert report["checked_versions"] == [0, 1, 2]
     assert_common(metrics(tmp_path / "run"), 2, eta=0)
 

@@ -261,3 +261,25 @@ def test_colorls_sigterm_handler_survives_sglangs_loop(model_dir, monkeypatch):
         built.shutdown()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_bf16_serving_from_fp32_master_weights(model_dir, trained, monkeypatch):
+    """Issue 19 defect 2: SGLang's CUDA attention (fa3, flashinfer) takes fp16/bf16 only. The engine serves
+    bf16 while the trainer keeps fp32; the checkpoint engine casts each tensor as it unpacks a bucket,
+    so the engine holds the trainer's weights rounded once to bf16, bit for bit. float32 serving starts
+    only on an attention backend that takes it (torch_native), which the adapter picks."""
+    standin.install(monkeypatch)
+    with pytest.raises(ValueError, match="does not support dtype float32"):
+        standin.Engine(model_path=str(model_dir), dtype="float32")
+    engine = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.bfloat16)
+    assert fake(engine).kwargs["attention_backend"] is None and fake(engine).kwargs["dtype"] == "bfloat16"
+    assert trained.model.norm.weight.dtype == torch.float32
+    CheckpointEngine(trained, engine, SMALL_BUCKETS).sync(engine, 1)
+    served = dict(fake(engine).model.named_parameters())
+    for name, p in trained.named_parameters():
+        assert served[name].dtype == torch.bfloat16 and torch.equal(served[name], p.detach().to(torch.bfloat16)), name
+    assert engine.generate([request("a")])[0].finish_reason in ("stop", "length")
+    engine.shutdown()
+    fp32 = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.float32)
+    assert fake(fp32).kwargs["attention_backend"] == "torch_native"
+    fp32.shutdown()

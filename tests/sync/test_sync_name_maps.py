@@ -39,11 +39,17 @@ def test_trainer_tensor_without_engine_weight():
         route(LLAMA, TRAINER, {"model.embed_tokens.weight": TensorSpec((10, 4), F32)})
 
 
-@pytest.mark.parametrize("spec", [TensorSpec((4, 1), F32), TensorSpec((4,), torch.bfloat16)])
+@pytest.mark.parametrize("spec", [TensorSpec((4, 1), F32), TensorSpec((4,), torch.int64)])
 def test_shape_or_dtype_mismatch(spec):
     engine = {**TRAINER, "model.norm.weight": spec}
     with pytest.raises(NameMapError, match=r"engine weight model.norm.weight is .* but trainer tensor model.norm.weight"):
         route(LLAMA, TRAINER, engine)
+
+
+def test_an_engine_may_serve_another_float_dtype():
+    """fp32 master weights, bf16 serving: routed, the checkpoint engine casts."""
+    engine = {name: TensorSpec(spec.shape, torch.bfloat16) for name, spec in TRAINER.items()}
+    assert route(LLAMA, TRAINER, engine) == route(LLAMA, TRAINER, TRAINER)
 
 
 def test_engine_weight_covered_twice():
