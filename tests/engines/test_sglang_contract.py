@@ -261,3 +261,18 @@ def test_standin_signatures_exist_in_the_wheel(wheel):
         assert set(mine) <= set(theirs), f"stand-in {name} fields {set(mine) - set(theirs)}"
         for field, default in mine.items():
             assert ast.dump(default) == ast.dump(theirs[field]) if default is not None else theirs[field] is None
+
+
+def test_the_sglang_extra_pins_what_the_wheel_pins(wheel):
+    """Issue 19 defect 11: `pip install 'colorl[sglang]'` gives one consistent environment: the extra
+    names the torch and transformers releases the wheel itself requires."""
+    import tomllib
+
+    metadata = next(n for n in wheel.zip.namelist() if n.endswith(".dist-info/METADATA"))
+    requires = {line.split(":", 1)[1].strip().split(";")[0].replace(" ", "")
+                for line in wheel.zip.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")}
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
+    assert f"sglang=={adapter.SGLANG_VERSION}" in extra
+    for package in ("torch", "transformers"):
+        pinned = [r for r in requires if r.startswith(f"{package}==")]
+        assert pinned and pinned[0] in extra, (package, pinned, extra)
