@@ -54,6 +54,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: Optional[LoraConfig] = None
     system_prompt: Optional[str] = None
+    architecture: Optional[str] = None  # a config.json `colorl plan` reads when model.path is not here
 
 
 class TaskConfig(Section):

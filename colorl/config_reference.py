@@ -84,6 +84,9 @@ NOTES: dict[str, str] = {
     "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
                                  "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
                                  "a sync re-sends only the adapted matrices and would leave the rest released.",
+    "model.architecture": "A Hugging Face `config.json` (path) for `colorl plan` when `model.path` is not on this "
+                          "machine: a config written for a GPU box plans anywhere, offline. The shipped GPU "
+                          "examples point at `configs/models/`.",
     "engine.dtype": "The dtype the engine serves; null: `model.dtype`. On GPUs serve `bfloat16` with `model.dtype: "
                     "float32` master weights (SGLang's fa3 and flashinfer attention take fp16/bf16 only): the "
                     "trainer keeps fp32 weights and optimizer, the checkpoint engine casts each tensor as it unpacks "

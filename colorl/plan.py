@@ -7,20 +7,23 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
   layer in the compute dtype, plus one layer's gradient in float32 for the reduce-scatter;
 - activations kept for backward for one micro-batch at the longest sequence (longest prompt +
   `rollout.max_new_tokens`), no activation checkpointing, per token (b = compute dtype bytes):
-      per layer  2·norm + 4b·hidden + 4b·intermediate   (attention: rotated q, GQA-expanded k
-                 and v, output; MLP: gate, up, act(gate), act(gate)·up)
+      per layer  2·norm + 5b·hidden + 4b·intermediate   (attention: rotated q, GQA-expanded k
+                 and v, output, the varlen concat; MLP: gate, up, act(gate), act(gate)·up)
       norm       8·hidden, + 2b·hidden below float32 (HF RMSNorm keeps its input and a float32
                  normalised copy; in bf16 also the float32 cast and the cast back)
-      once       norm + b·hidden (embedding output, final norm) + (b + 16)·vocab (colorl's
-                 log-prob pass: logits, their float32 copy at the temperature, and the
-                 entropy's softmax and product, alive together)
+      LoRA       below float32 compute, 4·in_features per adapted module (peft casts each
+                 module's input to the adapters' float32 and keeps that copy)
+      once       norm + 2b·hidden + 12 (embedding output, final norm, the hidden states the head
+                 picks, three float32 per-token results)
+  plus the LM head's logits for `train.logits_chunk_tokens` rows at a time, (b + 16)·vocab each
+  (logits, their float32 copy at the temperature, the entropy's softmax and product);
   Checked against a measured CPU training step (tests/test_plan.py): per-layer slope within 1%,
   total within 10%;
-- the engine: full weights (tensor-parallel size 1) and the KV pool. Both SGLang
-  (`mem_fraction_static`) and the native engine size their pool so that everything resident on
-  the device when the engine starts (trainer weights, engine weights) plus the KV pool is
-  `engine.memory_fraction` of the device: KV = fraction·M − trainer weights − engine weights
-  (the native engine: never more than its sequences can fill, or `engine.num_blocks` when set);
+- the engine: full weights (tensor-parallel size 1) and the KV pool. The native engine sizes its
+  pool so that everything resident when it starts plus the pool is `engine.memory_fraction` of the
+  device: KV = f·M − trainer weights − engine weights (never more than its sequences can fill, or
+  `engine.num_blocks` when set). SGLang 0.5.23 keeps (1 − f) of the memory free before it loads
+  and takes the rest after loading: KV = f·(M − trainer weights − context) − engine weights;
 - with LoRA the checkpoint engine's copies of the adapted base weights (W0), and two sync
   buckets of `sync.bucket_mb` while weights travel;
 - on CUDA a reserve for the context, NCCL and allocator slack (and SGLang's scheduler process).
@@ -66,6 +69,7 @@ class Architecture:
     layer_params: int  # one decoder layer
     lora_params: int  # adapters for the configured targets (0 without LoRA)
     adapted_params: int  # base weights the adapters modify (W0 copies)
+    lora_inputs: int  # in_features summed over the adapted modules (peft casts each input to fp32)
     layers: int
     hidden: int
     intermediate: int
@@ -79,28 +83,41 @@ class Architecture:
         from colorl.train.fsdp import decoder_layers
 
         model = meta_model(hf_config)
-        lora = adapted = 0
+        lora = adapted = inputs = 0
         for name, module in model.named_modules():
             if lora_targets and isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
                 lora += lora_r * (module.in_features + module.out_features)
                 adapted += module.weight.numel()
+                inputs += module.in_features
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         return cls(
             params=sum(p.numel() for p in model.parameters()),
             layer_params=sum(p.numel() for p in decoder_layers(model)[0].parameters()),
-            lora_params=lora, adapted_params=adapted, layers=hf_config.num_hidden_layers,
+            lora_params=lora, adapted_params=adapted, lora_inputs=inputs, layers=hf_config.num_hidden_layers,
             hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
             kv_dim=kv_heads * head_dim, vocab=hf_config.vocab_size,
             max_positions=hf_config.max_position_embeddings,
         )
 
-    def activation_bytes_per_token(self, b: int) -> int:
+    def activation_bytes_per_token(self, b: int, lora: bool = False) -> int:
+        """Kept for backward per token of a micro-batch, LM head's chunked logits apart."""
         norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
         # + b * hidden: the packed (varlen) attention concatenates its per-sequence outputs
         per_layer = 2 * norm + 5 * b * self.hidden + 4 * b * self.intermediate
-        return self.layers * per_layer + norm + b * self.hidden + (b + 16) * self.vocab
+        # peft's lora.Linear.forward casts its input to the adapters' float32 (`_cast_input_dtype`)
+        # and lora_A keeps that copy for backward: one per adapted module, below float32 compute
+        lora_casts = 4 * self.lora_inputs if lora and b < 4 else 0
+        # once: the final norm, the embedding output, the hidden states the head picks, and its
+        # float32 log-prob, entropy and log-normaliser
+        return self.layers * per_layer + lora_casts + norm + 2 * b * self.hidden + 12
+
+    def activation_bytes(self, tokens: int, b: int, chunk: int, lora: bool = False) -> int:
+        """A micro-batch of `tokens`: the per-token part, and the LM head's logits, which exist
+        for `chunk` rows at a time (colorl/train/head.py): logits, their float32 copy at the
+        temperature, and the entropy's softmax and product, alive together."""
+        return tokens * self.activation_bytes_per_token(b, lora) + min(tokens, chunk) * (b + 16) * self.vocab
 
     def kv_bytes_per_token(self, b: int) -> int:
         return 2 * self.layers * self.kv_dim * b
@@ -189,17 +206,25 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     per_rank_concurrency = min(cfg.engine.max_num_seqs, -(-cfg.rollout.concurrency // world))
     weights = -(-(arch.params * w + arch.lora_params * 4) // world)
     reference = weights if cfg.loss.kl_coef > 0 and not lora else 0
-    engine_weights = arch.params * w
+    e = DTYPE_BYTES[cfg.engine.dtype or cfg.model.dtype]  # what the engine serves (and keeps W0 in)
+    engine_weights = arch.params * e
     if cfg.engine.num_blocks and cfg.rollout.engine == "native":
-        kv = cfg.engine.num_blocks * cfg.engine.block_size * arch.kv_bytes_per_token(w)
+        kv = cfg.engine.num_blocks * cfg.engine.block_size * arch.kv_bytes_per_token(e)
         kv_note = f"engine.num_blocks={cfg.engine.num_blocks}"
+    elif cfg.rollout.engine == "sglang":
+        # SGLang 0.5.23 (model_runner_components/kv_pool_runtime.py): the pool is what is free after
+        # it loads its weights, less (1 - f) of what was free before: f·(M − resident) − weights
+        resident = weights + reference + RESERVE_BYTES
+        kv = int(cfg.engine.memory_fraction * (device_bytes - resident)) - engine_weights
+        kv_note = (f"engine.memory_fraction={cfg.engine.memory_fraction} of the memory free when SGLang starts, "
+                   f"less its weights")
     else:
         kv = int(cfg.engine.memory_fraction * device_bytes) - weights - reference - engine_weights
         kv_note = f"engine.memory_fraction={cfg.engine.memory_fraction} of the device, less the weights"
     if cfg.rollout.engine == "native":  # the native engine never allocates more than its sequences can use
-        cap = per_rank_concurrency * arch.max_positions * arch.kv_bytes_per_token(w)
+        cap = per_rank_concurrency * arch.max_positions * arch.kv_bytes_per_token(e)
         kv = min(kv, cap) if kv > 0 else kv
-    kv_tokens = kv // arch.kv_bytes_per_token(w)
+    kv_tokens = kv // arch.kv_bytes_per_token(e)
     on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
     reserve = 0 if on_cpu else RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
     offload = cfg.train.offload_optimizer
@@ -210,14 +235,14 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
         Line("gradients", -(-trainable * a // world), f"{_count(trainable)} trainable x {a} B / {world} ranks"),
         Line("optimizer state", -(-2 * trainable * a // world),
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
-        Line("activations", micro_tokens * arch.activation_bytes_per_token(b),
+        Line("activations", arch.activation_bytes(micro_tokens, b, cfg.train.logits_chunk_tokens, lora),
              f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} "
              f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"),
         Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
              "FSDP2: current + prefetched layer, fp32 grad"),
         Line("engine weights", engine_weights, "tensor-parallel size 1"),
         Line("engine KV cache", kv, f"{kv_note}: {max(kv_tokens, 0):,} tokens"),
-        Line("LoRA W0 copies", arch.adapted_params * w if lora else 0, "checkpoint engine, for merging"),
+        Line("LoRA W0 copies", arch.adapted_params * e if lora else 0, "checkpoint engine, for merging"),
         Line("sync buckets", int(2 * cfg.sync.bucket_mb * 2**20) if world > 1 else 0, "two of sync.bucket_mb"),
         Line("reserve", reserve, "CUDA context, NCCL, allocator" + (", SGLang's process" if reserve > RESERVE_BYTES else "")),
     ]
@@ -323,19 +348,28 @@ def architecture_for(cfg, model_config: str | None):
 
     folder = None
     if model_config is not None:
-        path = Path(model_config)
-        if not path.is_file():
-            raise PlanError(f"--model-config {model_config!r}: file not found")
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = _read_model_config(model_config, "--model-config")
     else:
         try:
             folder = resolve_model_path(cfg.model.path)
         except ModelNotFound as exc:
-            raise PlanError(f"{exc} (or pass --model-config with the model's config.json)") from None
-        hf_config = AutoConfig.from_pretrained(folder)
+            if cfg.model.architecture is None:
+                raise PlanError(f"{exc} (or pass --model-config with the model's config.json, "
+                                f"or set model.architecture)") from None
+            hf_config = _read_model_config(cfg.model.architecture, "model.architecture")
+        else:
+            hf_config = AutoConfig.from_pretrained(folder)
     lora = cfg.model.lora
     arch = Architecture.from_hf_config(hf_config, lora.targets if lora else None, lora.r if lora else 0)
     return arch, folder
+
+
+def _read_model_config(path: str, key: str):
+    from transformers import AutoConfig
+
+    if not Path(path).is_file():
+        raise PlanError(f"{key} {path!r}: file not found")
+    return AutoConfig.from_pretrained(Path(path))
 
 
 def plan_for_run(cfg, model_dir: Path, device_bytes: int) -> MemoryPlan:

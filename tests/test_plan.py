@@ -63,16 +63,19 @@ def test_per_device_lines_by_hand():
     p = arch.params
     assert lines["trainer weights"] == -(-p * 4 // 8) and lines["gradients"] == -(-p * 4 // 8)
     assert lines["optimizer state"] == -(-2 * p * 4 // 8)
-    assert lines["engine weights"] == 4 * p
-    assert lines["engine KV cache"] == int(0.5 * memory) - lines["trainer weights"] - 4 * p
-    assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 4)  # 2 kv heads of 128, float32
+    assert lines["engine weights"] == 2 * p  # served in bf16 (engine.dtype) from float32 master weights
+    # SGLang keeps (1 - f) of what was free before it loaded (kv_pool_runtime.py): f·(M − resident) − weights
+    assert lines["engine KV cache"] == int(0.5 * (memory - lines["trainer weights"] - GiB)) - 2 * p
+    assert plan.kv_tokens == lines["engine KV cache"] // (2 * 28 * 2 * 128 * 2)  # 2 kv heads of 128, bf16
     h, i, v = 1536, 8960, 151936
     norm = (8 + 4) * h  # bf16 compute: input, float32 copy, normalised, cast back
-    per_token = 28 * (2 * norm + 10 * h + 8 * i) + norm + 2 * h + 18 * v  # 10 h: 8 h + the varlen concat
-    assert lines["activations"] == max(cfg.train.max_tokens_per_micro_batch, prompt + 1024) * per_token
+    per_token = 28 * (2 * norm + 10 * h + 8 * i) + norm + 4 * h + 12  # 10 h: 8 h + the varlen concat
+    tokens = max(cfg.train.max_tokens_per_micro_batch, prompt + 1024)
+    head = min(tokens, cfg.train.logits_chunk_tokens) * 18 * v  # the LM head's logits, one chunk at a time
+    assert lines["activations"] == tokens * per_token + head
     rollout, train, sync = (plan.phase_bytes(phase) for phase in plan.phases)
     # the optimizer is offloaded between train phases; the engine keeps its weights at sleep level 1
-    assert rollout == int(0.5 * memory) + lines["reserve"]
+    assert rollout == sum(lines[k] for k in ("trainer weights", "engine weights", "engine KV cache", "reserve"))
     assert train == sum(lines[k] for k in ("trainer weights", "gradients", "optimizer state", "activations",
                                             "unsharded layers", "engine weights", "reserve"))
     assert sync == sum(lines[k] for k in ("trainer weights", "engine weights", "sync buckets", "reserve"))
@@ -98,16 +101,37 @@ def test_a_run_that_does_not_fit_names_the_knob_that_makes_it_fit():
     cfg = gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", "train.max_tokens_per_micro_batch=32768")
     plan = plan_with_advice(cfg, arch, 80 * GiB, 200)
     assert not plan.fits and plan.peak.name == "train"
-    assert "does not fit" in plan.verdict() and "set train.max_tokens_per_micro_batch=8192" in plan.verdict()
+    assert "does not fit" in plan.verdict() and "set train.max_tokens_per_micro_batch=16384" in plan.verdict()
     budget = "train.max_tokens_per_micro_batch"
-    assert plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=8192"), arch, 80 * GiB, 200).fits
-    assert not plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=16384"), arch,
+    assert plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=16384"), arch, 80 * GiB, 200).fits
+    assert not plan_memory(gpu_config("configs/gpu8-qwen2.5-1.5b.yaml", f"{budget}=32768"), arch,
                            80 * GiB, 200).fits
 
     full_7b = gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml", "model.lora=null", "launch.nproc=1",
                          "rollout.batch_groups=1")
     hopeless = plan_with_advice(full_7b, Architecture.from_hf_config(hf(QWEN25_7B)), 24 * GiB, 200)
     assert not hopeless.fits and "no single knob" in hopeless.verdict()
+
+
+def test_lora_counts_peft_float32_input_casts_and_the_head_one_chunk_at_a_time():
+    """Issue 19 defect 10: below float32 compute, peft casts each adapted module's input to the
+    adapters' float32 and keeps it (4 bytes x in_features per token); the LM head's logits exist
+    for `train.logits_chunk_tokens` rows, not for every token of the micro-batch."""
+    cfg = gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml")
+    lora = cfg.model.lora
+    arch = Architecture.from_hf_config(hf(QWEN25_7B), lora.targets, lora.r)
+    h, i = 3584, 18944
+    kv = 4 * 128
+    assert arch.lora_inputs == 28 * (h + h + h + h + h + h + i)  # q k v o gate up take h, down takes i
+    b = 2
+    assert arch.activation_bytes_per_token(b, lora=True) - arch.activation_bytes_per_token(b) == 4 * arch.lora_inputs
+    assert arch.activation_bytes_per_token(4, lora=True) == arch.activation_bytes_per_token(4)  # no cast in fp32
+    tokens = 4096
+    assert arch.activation_bytes(tokens, b, 512, lora=True) == (tokens * arch.activation_bytes_per_token(b, True)
+                                                                + 512 * (b + 16) * arch.vocab)
+    plan = plan_memory(cfg, arch, 80 * GiB, 200)
+    assert plan.lines["activations"].bytes == arch.activation_bytes(tokens, b, cfg.train.logits_chunk_tokens, True)
+    assert kv == arch.kv_dim
 
 
 def test_engine_fraction_too_small_for_the_weights_is_reported():
@@ -135,9 +159,14 @@ def test_plan_bad_input_is_one_line(tmp_path, capsys):
     assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--gpu-memory", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpu-memory" in err[0]
-    assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--set", "model.path=Qwen/NotHere-0B"]) == 2
+    assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--set", "model.path=Qwen/NotHere-0B",
+                 "--set", "model.architecture=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--model-config" in err[0]
+    assert len(err) == 1 and "--model-config" in err[0] and "model.architecture" in err[0]
+    assert main(["plan", "configs/gpu8-qwen2.5-1.5b.yaml", "--set", "model.path=Qwen/NotHere-0B",
+                 "--set", "model.architecture=no/such.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.architecture 'no/such.json': file not found" in err[0]
 
 
 def test_plan_of_the_tiny_cpu_config_measures_its_prompts(capsys):
@@ -193,3 +222,16 @@ def test_cuda_run_logs_memory_per_phase_within_the_plan(tmp_path):
     plan = plan_for_run(cfg, resolve_model_path(cfg.model.path), torch.cuda.get_device_properties(0).total_memory)
     train = next(p for p in plan.phases if p.name == "train")
     assert max(r["cuda_peak_train_gb"] for r in records) * GiB <= plan.phase_bytes(train)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES))
+def test_shipped_gpu_examples_plan_offline(path, capsys, monkeypatch):
+    """Issue 19 defect 10: the README's `colorl plan configs/gpu8-...` works on a machine that cannot reach
+    the model hub: the examples ship the architecture (model.architecture), the same as the published one."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = gpu_config(path)
+    shipped = json.loads((ROOT / cfg.model.architecture).read_text())
+    assert {k: shipped[k] for k in EXAMPLES[path]} == EXAMPLES[path]
+    assert main(["plan", path, "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "\nfits: " in out and "engine KV cache" in out
