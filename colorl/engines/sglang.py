@@ -256,10 +256,21 @@ class SGLangEngine(Engine):
         keeps is in the radix cache, which serves the re-added request's prefix if nothing has
         flushed or evicted it since. There is no stronger promise to give."""
         stopping = [self._live[rid] for rid in list(request_ids) if rid in self._live]
+        results: list[GenerationResult] = []
         for live in stopping:
             live.interrupted = True
-            self._tm.abort_request(rid=live.request.request_id)
-        results: list[GenerationResult] = []
+            rid = live.request.request_id
+            if rid not in self._tm.rid_to_state and live.tokens == 0 and not live.next.done():
+                # its stream was never advanced, so SGLang has not seen it (an abort would find no
+                # such request and it would then run to the end): cancel it before it starts
+                live.next.cancel()
+                self._run(asyncio.gather(live.next, return_exceptions=True))
+                del self._live[rid]
+                req = live.request
+                results.append(GenerationResult(rid, list(req.prompt_ids), list(req.output_ids),
+                                                list(req.output_logprobs), list(req.output_versions), "interrupt"))
+                continue
+            self._tm.abort_request(rid=rid)
         while pending := [live for live in stopping if live.request.request_id in self._live]:
             results.extend(self._advance(pending))
         return results

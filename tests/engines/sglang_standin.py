@@ -149,12 +149,13 @@ class Engine:
         assert prompt is None and stream and return_logprob, "colorl asks for ids, streamed, with log-probs"
         self.tokenizer_manager.auto_create_handle_loop()
         self.calls.append(("async_generate", rid))
-        state = _Req(rid, list(input_ids), dict(sampling_params))
-        self.tokenizer_manager.rid_to_state[rid] = state
-        return self._stream(state)
+        return self._stream(_Req(rid, list(input_ids), dict(sampling_params)))
 
     async def _stream(self, state: _Req):
+        """As TokenizerManager.generate_request, an async generator: the request reaches the tokenizer
+        manager (and an abort can find it) only when the stream is first advanced."""
         tm = self.tokenizer_manager
+        tm.rid_to_state[state.rid] = state
         params = state.params
         gen = torch.Generator().manual_seed(params.get("sampling_seed", 0))
         while True:

@@ -283,3 +283,16 @@ def test_bf16_serving_from_fp32_master_weights(model_dir, trained, monkeypatch):
     fp32 = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.float32)
     assert fake(fp32).kwargs["attention_backend"] == "torch_native"
     fp32.shutdown()
+
+
+def test_interrupt_before_a_request_reached_sglang(engine):
+    """SGLang's stream registers the request only when first advanced: an abort before that finds
+    nothing and the request would run to its end. The adapter cancels such a request instead."""
+    engine.add(request("early", LONG))
+    (result,) = engine.interrupt(["early"])
+    assert result.finish_reason == "interrupt" and result.output_ids == [] and not engine.has_unfinished()
+    assert "early" not in fake(engine).tokenizer_manager.rid_to_state
+    engine.add(request("later", LONG))
+    engine.step()
+    (result,) = engine.interrupt(["later"])
+    assert result.finish_reason == "interrupt" and 0 < len(result.output_ids) < LONG.max_new_tokens
