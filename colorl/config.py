@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from colorl.buffer import BUFFERS
 
-ENGINES = ("native", "hf", "sglang")
+ENGINES = ("native", "hf", "sglang", "vllm")
 TASKS = ("arithmetic", "countdown", "jsonl", "hf_dataset")
 MODES = ("colocated", "bounded_lag")
 
@@ -73,7 +73,7 @@ class LengthOverride(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["native", "hf", "sglang"] = "native"
+    engine: Literal["native", "hf", "sglang", "vllm"] = "native"
     group_size: int = Field(4, ge=2)
     batch_groups: int = Field(8, ge=1)
     max_new_tokens: int = Field(128, ge=1)
@@ -184,6 +184,10 @@ class Config(Section):
                              "(the queues already over-draw: they drop or discard groups)")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
+        if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.engine=vllm: the vllm package is not installed (pip install 'colorl[vllm]' on "
+                             "CUDA, make setup-vllm on x86 CPUs); engines this machine can run: "
+                             + ", ".join(map(repr, runnable_engines())))
         return self
 
     @property
@@ -305,12 +309,14 @@ def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
 
 
 def runnable_engines() -> list[str]:
-    """Engines worth offering here: sglang only with CUDA and the sglang package installed."""
+    """Engines worth offering here: sglang only with CUDA and the sglang package installed, vllm where installed."""
     import torch
 
     names = ["native", "hf"]
     if torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None:
         names.append("sglang")
+    if importlib.util.find_spec("vllm") is not None:
+        names.append("vllm")
     return names
 
 

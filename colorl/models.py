@@ -18,6 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_ALIAS = "tiny-random-llama"
+# the same with head_dim 32 (4 heads x 32 over hidden 64): vLLM's CPU attention refuses head_dim 16
+TINY_HD32_ALIAS = "tiny-random-llama-hd32"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -39,6 +41,8 @@ def resolve_model_path(path: str) -> Path:
         return _cached(path, _build_smollm2)
     if path == TINY_ALIAS:
         return _cached(path, lambda out: save_tiny_model(out))
+    if path == TINY_HD32_ALIAS:
+        return _cached(path, lambda out: save_tiny_model(out, head_dim=32))
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return folder

