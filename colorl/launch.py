@@ -262,6 +262,9 @@ def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s
                 print(f"colorl: error: {problem[0]}", file=sys.stderr)
             return 2
         target(spot.rank, spot.world, *args)
+        # every rank done before any tears the group down: a rank that destroys it while a peer still
+        # talks to it can abort in gloo's teardown ("terminate called without an active exception")
+        dist.barrier()
     except BaseException as exc:  # report anything, then let torchrun stop the other ranks
         print(f"colorl: rank {spot.rank} failed: {_report(exc)}", file=sys.stderr, flush=True)
         return 1
