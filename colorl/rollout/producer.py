@@ -256,7 +256,9 @@ class RolloutProducer:
         if self.cores.rollout_idle:
             with self._cv:
                 self._cv.wait(0.05)  # woken by a publish, a consume, an eval request or stop
-            self._window.idle_s += time.perf_counter() - started
+                # only the part inside the current window: the trainer may have closed the window
+                # (take_batch) while this thread waited, and idle_s must never exceed wall_s
+                self._window.idle_s += time.perf_counter() - max(started, self._window_start)
             self._publish_status()
             return
         faults.point("rollout", self.ctx.state.step + 1)
