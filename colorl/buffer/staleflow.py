@@ -212,6 +212,12 @@ class RedundantStaleFlowBuffers(StaleFlowBuffers):
         super().release(slot)
         return self._close_full()
 
+    def restore(self, slots: list[Slot], version: int) -> list[Slot]:
+        """A buffer that the restored groups fill is closed at once (no reservation may enter it)."""
+        dropped = super().restore(slots, version)
+        self._close_full()
+        return dropped
+
     def _close_full(self) -> list[Slot]:
         """Every buffer with `groups_per_step` occupied entries: abort its reservations, close it."""
         aborted = []

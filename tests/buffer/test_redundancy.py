@@ -104,3 +104,16 @@ def test_releases_with_redundancy_never_take_a_held_buffer_or_an_oversized_batch
     ids = [id(s) for s in ended]
     assert len(ids) == len(set(ids))
     assert len([s for s in admitted if s.state in (RESERVED, OCCUPIED)]) + len(ended) == len(admitted)
+
+
+def test_a_buffer_that_restored_groups_fill_is_closed():
+    """After a resume, restored groups can fill a buffer: it must close at once, or a new reservation
+    enters a Ready buffer that the trainer then takes with the reservation inside (the rollout
+    thread's KeyError when that group finishes)."""
+    buf = make_buffer("staleflow", 1, eta=1, surplus=1)
+    restored = Slot(0, "A")
+    assert buf.restore([restored], version=0) == [] and restored.vbuf == 0
+    later = [Slot(0, name) for name in "BCD"]
+    assert [buf.admit(s) for s in later] == [True, True, False]  # buffer 1's two entries; buffer 0 is closed
+    assert [s.payload for s in buf.take(0).batch] == ["A"]
+    assert all(s.vbuf == 1 for s in later[:2])
