@@ -27,13 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from colorl.config import load_config
 from colorl.engines import engine_class
 from colorl.engines.base import Engine
-from colorl.launch import launch
-from colorl.worker import prepare_run_dir
+from checked_runs import checked_run as run_checked, metrics, weights  # tests/helpers
 
 
 def _checked_rank() -> Callable:
@@ -104,27 +101,8 @@ def test_every_engine_has_the_interfaces_signatures(column):
 # -- whole runs --------------------------------------------------------------------------------------
 
 def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = False) -> list[dict]:
-    """A run through the launcher with the sync check on; the ranks' reports (versions checked,
-    steps, memory per phase). A weight mismatch or any other failure fails the test here."""
-    cfg = load_config("configs/tiny.yaml", [*BASE, f"rollout.engine={column.engine}", *sets])
-    prepare_run_dir(cfg, run_dir, resume)
-    report_dir = run_dir / ("doctor-resumed" if resume else "doctor")
-    report_dir.mkdir()
-    failure = launch(column.rank(), cfg.launch.nproc, "cpu",
-                     (cfg.model_dump(mode="json"), str(run_dir), resume, "cpu", str(report_dir)), 120)
-    assert failure is None, f"{column.name} run failed on rank {failure.rank}: {failure.error}"
-    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(cfg.launch.nproc)]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in (run_dir / "checkpoints" / f"step_{step}" / "model").glob("*.safetensors"):
-        tensors.update(load_file(file))
-    return tensors
+    """A run of this column's engine with the sync check on (a weight mismatch fails it)."""
+    return run_checked(column.rank(), [*BASE, f"rollout.engine={column.engine}", *sets], run_dir, resume, column.name)
 
 
 def interrupted_copy(run_dir: Path, into: Path, step: int) -> Path:

@@ -3,20 +3,16 @@ modes, LoRA, eval, resume, with the checkpoint engine's bit-exact check after ev
 doctor's rank function), on the tiny model with head_dim 32 (vLLM's CPU attention refuses 16)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="vllm is not importable here (it runs in its own venv: make test-vllm)")
 
 from colorl.cli import main  # noqa: E402
-from colorl.config import load_config  # noqa: E402
 from colorl.doctor import checked_rank  # noqa: E402
-from colorl.launch import launch  # noqa: E402
-from colorl.worker import prepare_run_dir  # noqa: E402
+from checked_runs import checked_run as run_checked, metrics, weights  # noqa: E402  (tests/helpers)
 
 BASE = ["rollout.engine=vllm", "model.path=tiny-random-llama-hd32", "task.reward=reward_fns:long_is_right",
         "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4", "train.lr=1e-2", "launch.device=cpu"]
@@ -31,25 +27,7 @@ def _helpers(monkeypatch):
 
 
 def checked_run(sets: list[str], run_dir: Path, resume: bool = False) -> list[dict]:
-    cfg = load_config("configs/tiny.yaml", [*BASE, *sets])
-    prepare_run_dir(cfg, run_dir, resume)
-    report_dir = run_dir / ("doctor-resumed" if resume else "doctor")
-    report_dir.mkdir()
-    failure = launch(checked_rank, cfg.launch.nproc, "cpu",
-                     (cfg.model_dump(mode="json"), str(run_dir), resume, "cpu", str(report_dir)), 120)
-    assert failure is None, f"vllm run failed on rank {failure.rank}: {failure.error}"
-    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(cfg.launch.nproc)]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in (run_dir / "checkpoints" / f"step_{step}" / "model").glob("*.safetensors"):
-        tensors.update(load_file(file))
-    return tensors
+    return run_checked(checked_rank, [*BASE, *sets], run_dir, resume, "vllm")
 
 
 @pytest.mark.timeout(300)
