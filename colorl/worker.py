@@ -126,10 +126,15 @@ class RankContext:
         if isinstance(self.reward_fn, SandboxedReward):
             self.reward_fn.close()
 
-    def wake_engine(self) -> None:
-        """Wake the engine after training or a sync: first the memory hand-off (an engine in another
-        process can only use device memory this process has given back)."""
+    def hand_off_memory(self) -> None:
+        """Give the device memory this process cached back before the engine maps any of it again (an
+        engine in another process can only use what this process has returned): before a wake, and
+        after training, since a sync at sleep level 2 maps the engine's weights back first."""
         distributed.release_cached_device_memory(self.device)
+
+    def wake_engine(self) -> None:
+        """Wake the engine after training or a sync: first the memory hand-off."""
+        self.hand_off_memory()
         self.engine.wake()
 
     def evaluate_problems(self, problems: list) -> EvalResult:
@@ -258,7 +263,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     if step is not None:
         state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
     stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
-    metrics = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
+    metrics = MetricsWriter.for_run(run_dir, cfg) if rank == 0 else None
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
                       enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None)

@@ -41,6 +41,7 @@ def run_colocated(ctx, stop) -> None:
                             drop_zero_variance=cfg.filter.zero_variance)
         train_stats = trainer.train_step(batch)
         trainer.offload()
+        ctx.hand_off_memory()  # at sleep level 2 the sync maps the engine's weights back first
         times.train = time.perf_counter() - times.start - times.rollout
         times.phase_done("train")
 

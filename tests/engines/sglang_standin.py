@@ -13,6 +13,15 @@ contents (NaN) until loaded again unless `enable_weights_cpu_backup`; no generat
 cache is released; its scheduler child hangs (here: fails at start) when it inherits torchrun's
 `TORCHELASTIC_USE_AGENT_STORE`; the tokenizer manager's first request installs SIGTERM and SIGQUIT
 handlers on the event loop from the main thread (`auto_create_handle_loop`).
+
+Two things come from the wheel itself (tests/helpers/sglang_wheel.py reads its source):
+- tensors reach the "scheduler" as they do in SGLang: one `MultiprocessingSerializer` payload per TP
+  rank (torch's ForkingPickler), loaded back with SGLang's `SafeUnpickler`, whose allow-list refuses
+  what the real scheduler would (a DTensor, a tensor that requires grad, any other global);
+- the device is simulated (`SimulatedDevice`): memory the engine releases is taken by the trainer's
+  caching allocator until colorl hands it back (`colorl.distributed.release_cached_device_memory`,
+  which `install` wraps), and a `resume_memory_occupation` that does not fit fails with an
+  out-of-memory error, as torch_memory_saver's re-mapping does in SGLang's scheduler.
 """
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+import sglang_wheel  # tests/helpers
+from colorl import distributed
 from colorl.models import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +65,40 @@ class UpdateWeightVersionReqInput:
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+
+
+class SimulatedDevice:
+    """One device shared by the trainer (this process's caching allocator) and SGLang's scheduler
+    (another process, which can only map memory the allocator has returned)."""
+
+    TOTAL = 1 << 30
+    CUDA_GRAPH_BYTES = 1 << 20
+
+    def __init__(self):
+        self.engine_held: dict[str, int] = {}  # tag -> bytes mapped by the engine
+        self.trainer_cached = 0  # bytes the trainer's allocator keeps reserved after use
+        self.hand_offs = 0
+
+    def free(self) -> int:
+        return self.TOTAL - sum(self.engine_held.values()) - self.trainer_cached
+
+    def map(self, tag: str, size: int) -> None:
+        if size > self.free():
+            raise RuntimeError(f"CUDA out of memory: resume_memory_occupation({tag!r}) needs {size} bytes, "
+                               f"{self.free()} free ({self.trainer_cached} still reserved by the trainer's caching "
+                               f"allocator: empty its cache before waking the engine)")
+        self.engine_held[tag] = size
+
+    def unmap(self, tag: str) -> None:
+        self.engine_held.pop(tag, None)
+        self.trainer_cached = self.TOTAL - sum(self.engine_held.values())  # the trainer runs next and fills it
+
+    def hand_off(self) -> None:
+        self.trainer_cached = 0
+        self.hand_offs += 1
+
+
+DEVICE = SimulatedDevice()
 
 
 @dataclass
@@ -138,13 +183,19 @@ class Engine:
         self.tokenizer_manager = TokenizerManager(self)
         self.released: set[str] = set()
         self.session_open = False
+        self.tp_size = 1
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.sizes = {"weights": weights, "cuda_graph": DEVICE.CUDA_GRAPH_BYTES,
+                      "kv_cache": int(kwargs.get("mem_fraction_static", 0.5) * DEVICE.TOTAL) - weights}
+        for tag, size in self.sizes.items():
+            DEVICE.map(tag, size)
         Engine.instances.append(self)
 
     def get_server_info(self):
         return {"max_total_num_tokens": 4096, "weight_version": self.weight_version}
 
     # -- generation
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, *, return_logprob=False,
                              stream=False, rid=None):
         assert prompt is None and stream and return_logprob, "colorl asks for ids, streamed, with log-probs"
         self.tokenizer_manager.auto_create_handle_loop()
@@ -212,9 +263,12 @@ class Engine:
             assert self.kwargs.get("disable_radix_cache"), "radix cache keeps prompt KV of the old weights (no flush while busy)"
             assert self.kwargs.get("disable_overlap_schedule"), "an in-place pause leaves an overlapped batch's token on the old weights"
         assert "weights" not in self.released, "weights loaded into released memory"
+        # Engine._serialize_tensors_per_rank, then the scheduler's TpModelWorker.deserialize_own_rank
+        payloads = [sglang_wheel.serializer().serialize(named_tensors) for _ in range(self.tp_size)]
+        received = sglang_wheel.serializer().deserialize(payloads[0])
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, tensor in named_tensors:
+            for name, tensor in received:
                 params[name].copy_(tensor)
         return True, "Success"
 
@@ -236,6 +290,8 @@ class Engine:
         assert not self.tokenizer_manager.rid_to_state, "release_memory_occupation should be called only when idle"
         self.calls.append(("release_memory_occupation", tuple(tags)))
         self.released.update(tags)
+        for tag in tags:
+            DEVICE.unmap(tag)
         if "weights" in tags:  # gone, unless enable_weights_cpu_backup saved them to host memory
             if self.kwargs.get("enable_weights_cpu_backup"):
                 self.cpu_backup = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -245,6 +301,8 @@ class Engine:
 
     def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume_memory_occupation", tuple(tags)))
+        for tag in tags:
+            DEVICE.map(tag, self.sizes[tag])
         self.released.difference_update(tags)
         if "weights" in tags and getattr(self, "cpu_backup", None) is not None:
             with torch.no_grad():
@@ -254,6 +312,8 @@ class Engine:
 
     def shutdown(self):
         self.calls.append(("shutdown",))
+        for tag in self.sizes:
+            DEVICE.engine_held.pop(tag, None)
         self.loop.close()
 
 
@@ -272,7 +332,18 @@ def _spans(events: list[tuple[str, int]], current: str, count: int) -> list[dict
 
 
 def install(monkeypatch) -> None:
-    """Put the stand-in where `import sglang` and its io_struct import find it."""
+    """Put the stand-in where `import sglang` and its io_struct import find it, on a fresh simulated
+    device whose cache colorl's memory hand-off empties. Needs the wheel (sglang_wheel.obtain)."""
+    global DEVICE
+    sglang_wheel.serializer()
+    DEVICE = SimulatedDevice()
+    release = distributed.release_cached_device_memory
+
+    def release_and_hand_off(device):
+        release(device)
+        DEVICE.hand_off()
+
+    monkeypatch.setattr(distributed, "release_cached_device_memory", release_and_hand_off)
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
     for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput, FlushCacheReqOutput):
         setattr(io_struct, cls.__name__, cls)

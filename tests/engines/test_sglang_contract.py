@@ -1,8 +1,8 @@
 """The SGLang adapter against the real package: every name it uses exists in the pinned wheel.
 
 SGLang needs CUDA and pins its own torch, so it is never installed or imported here. The test
-downloads the wheel of `SGLANG_VERSION` (`pip download --no-deps`, cached in
-~/.cache/colorl/wheels or $COLORL_WHEEL_CACHE) and reads its source with `ast`:
+downloads the wheel of `SGLANG_VERSION` (tests/helpers/sglang_wheel.py: `pip download --no-deps`,
+cached in ~/.cache/colorl/wheels or $COLORL_WHEEL_CACHE) and reads its source with `ast`:
 - what the adapter calls (read from colorl/engines/sglang.py's own syntax tree, so the list cannot
   drift from the code): `sglang.Engine(**server args)`, the engine's and the tokenizer
   manager's methods with their keywords, the io_struct request classes with their fields, the
@@ -15,79 +15,34 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
-import subprocess
-import sys
-import zipfile
 from functools import cached_property
 from pathlib import Path
 
 import pytest
 
 import colorl.engines.sglang as adapter
+import sglang_wheel  # tests/helpers
+from standin_rank import load_standin  # tests/helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).parent / "sglang_standin.py"
-CACHE = Path(os.environ.get("COLORL_WHEEL_CACHE", Path.home() / ".cache" / "colorl" / "wheels"))
-
-
-def _find_wheel() -> Path | None:
-    found = sorted(CACHE.glob(f"sglang-{adapter.SGLANG_VERSION}-*.whl"))
-    return found[0] if found else None
 
 
 @pytest.fixture(scope="module")
 def wheel() -> "Wheel":
-    path = _find_wheel()
-    if path is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                               f"sglang=={adapter.SGLANG_VERSION}", "-d", str(CACHE)],
-                              capture_output=True, text=True, timeout=600)
-        path = _find_wheel()
-        if path is None:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"sglang=={adapter.SGLANG_VERSION} wheel not obtainable (registry unreachable?): {reason}")
-    return Wheel(path)
+    return Wheel(sglang_wheel.require())
 
 
-class Wheel:
-    """Source files of the wheel, parsed on demand, never imported."""
-
-    def __init__(self, path: Path):
-        self.zip = zipfile.ZipFile(path)
-
-    def text(self, name: str) -> str:
-        return self.zip.read(name).decode("utf-8")
-
-    def tree(self, name: str) -> ast.Module:
-        return ast.parse(self.text(name))
-
-    def version(self) -> str:
-        meta = next(n for n in self.zip.namelist() if n.endswith(".dist-info/METADATA"))
-        return next(line.split(":", 1)[1].strip() for line in self.text(meta).splitlines() if line.startswith("Version:"))
-
-    def classes(self, name: str) -> dict[str, ast.ClassDef]:
-        return {node.name: node for node in ast.walk(self.tree(name)) if isinstance(node, ast.ClassDef)}
-
-    def strings(self, *names: str) -> set[str]:
-        return {node.value for name in names for node in ast.walk(self.tree(name))
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+class Wheel(sglang_wheel.Wheel):
+    """What the contract reads of the wheel: methods, request fields, server args, sampling keys."""
 
     @cached_property
     def engine_methods(self) -> dict[str, set[str]]:
-        engine = self.classes("sglang/srt/entrypoints/engine.py")["Engine"]
-        return _methods(engine)
+        return _methods(self.engine_class)
 
     @cached_property
     def tokenizer_manager_methods(self) -> dict[str, set[str]]:
-        """TokenizerManager and the mixins it is assembled from."""
-        methods: dict[str, set[str]] = {}
-        for name in ("sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/tokenizer_control_mixin.py"):
-            for cls in self.classes(name).values():
-                if cls.name in ("TokenizerManager", "TokenizerControlMixin"):
-                    methods.update(_methods(cls))
-        return methods
+        return {name: _arg_names(f) for name, f in self.tokenizer_manager_functions.items()}
 
     @cached_property
     def io_struct(self) -> dict[str, dict[str, ast.expr | None]]:
@@ -117,12 +72,17 @@ class Wheel:
 
 
 def _methods(cls: ast.ClassDef) -> dict[str, set[str]]:
-    out = {}
-    for node in cls.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            args = node.args
-            out[node.name] = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
-    return out
+    return {name: _arg_names(f) for name, f in sglang_wheel.methods_of(cls).items()}
+
+
+def _arg_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    args = function.args
+    return {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+
+
+def _positional(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The parameters a call can fill by position, `self` left out."""
+    return [a.arg for a in function.args.posonlyargs + function.args.args][1:]
 
 
 def _fields(cls: ast.ClassDef) -> dict[str, ast.expr | None]:
@@ -138,6 +98,8 @@ def _fields(cls: ast.ClassDef) -> dict[str, ast.expr | None]:
 class Uses(ast.NodeVisitor):
     def __init__(self):
         self.engine: list[tuple[str, set[str]]] = []  # self._engine.m(kw=...)
+        self.positional: list[tuple[str, str, list[ast.expr]]] = []  # (owner, method, positional arguments)
+        self.unpacked: dict[str, int] = {}  # a, b = self._engine.m(...): method -> names unpacked
         self.tokenizer_manager: list[tuple[str, set[str]]] = []  # self._tm.m(kw=...)
         self.requests: list[tuple[str, set[str]]] = []  # self._io.Cls(kw=...)
         self.server_args: set[str] = set()  # sglang.Engine(kw=...)
@@ -148,6 +110,8 @@ class Uses(ast.NodeVisitor):
         func, keywords = node.func, {k.arg for k in node.keywords if k.arg}
         if isinstance(func, ast.Attribute):
             owner = func.value
+            if _is_self_attr(owner, "_engine") or _is_self_attr(owner, "_tm"):
+                self.positional.append((owner.attr, func.attr, list(node.args)))
             if _is_self_attr(owner, "_engine"):
                 self.engine.append((func.attr, keywords))
             elif _is_self_attr(owner, "_tm"):
@@ -173,7 +137,97 @@ class Uses(ast.NodeVisitor):
         target = node.targets[0]
         if isinstance(target, ast.Name) and target.id == "params" and isinstance(node.value, ast.Dict):
             self.sampling |= {k.value for k in node.value.keys}
+        value = node.value
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Call) and _is_self_attr(value.func.value, "_engine"):
+            self.unpacked[value.func.attr] = len(target.elts)
         self.generic_visit(node)
+
+
+class ReplyPaths:
+    """The paths of keys (and positions) the adapter reads from SGLang's replies, following the names
+    it gives them: `meta = chunk["meta_info"]`, `for span in spans`, ... Roots: "chunk" (a streamed
+    chunk of async_generate) and "server_info" (get_server_info()). "[]" stands for a list's items."""
+
+    def __init__(self, tree: ast.Module):
+        self.aliases: dict[str, tuple] = {"chunk": ("chunk",)}
+        for _ in range(3):  # aliases of aliases
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                    self._alias(node.targets[0].id, node.value)
+                elif isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+                    self._alias(node.target.id, node.iter, item=True)
+        self.reads = {path for node in ast.walk(tree) if (path := self.resolve(node)) and len(path) > 1}
+
+    def _alias(self, name: str, value: ast.expr, item: bool = False) -> None:
+        path = self.resolve(value)
+        if path:
+            self.aliases[name] = path + ("[]",) if item else path
+
+    def resolve(self, node: ast.AST) -> tuple | None:
+        if isinstance(node, ast.Name):
+            return self.aliases.get(node.id)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            base = self.resolve(node.value)
+            return base + (node.slice.value,) if base else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "get_server_info" and _is_self_attr(node.func.value, "_engine"):
+                return ("server_info",)
+            if node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant):
+                base = self.resolve(node.func.value)
+                return base + (node.args[0].value,) if base else None
+        return None
+
+
+def _reply_schema(wheel) -> set[tuple]:
+    """Every path SGLang's replies hold, read from where the wheel builds them."""
+    def dict_keys(node: ast.AST) -> set:
+        return {k.value for k in getattr(node, "keys", []) if isinstance(k, ast.Constant)}
+
+    tm, versions = wheel.tree("sglang/srt/managers/tokenizer_manager.py"), wheel.tree("sglang/srt/utils/weight_versions.py")
+    chunk = set().union(*(dict_keys(n) for n in ast.walk(tm) if isinstance(n, ast.Dict) and "meta_info" in dict_keys(n)))
+    meta: set = set()
+    for tree in (tm, versions):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id == "meta_info":
+                    meta |= dict_keys(node.value)
+                elif (isinstance(target, ast.Subscript) and getattr(target.value, "id", None) == "meta_info"
+                      and isinstance(target.slice, ast.Constant)):
+                    meta.add(target.slice.value)
+    to_json = [f for f in ast.walk(wheel.tree("sglang/srt/managers/schedule_batch.py"))
+               if isinstance(f, ast.FunctionDef) and f.name == "to_json"]
+    finish = set().union(*(dict_keys(r.value) for f in to_json for r in ast.walk(f) if isinstance(r, ast.Return)))
+    add_spans = wheel.functions("sglang/srt/utils/weight_versions.py")["add_weight_versions_to_meta_info"]
+    span = set().union(*(dict_keys(n) for n in ast.walk(add_spans) if isinstance(n, ast.Dict)))
+    detokenize = wheel.functions("sglang/srt/managers/tokenizer_manager.py")["detokenize_logprob_tokens"]
+    entry = next(n.elt for n in ast.walk(detokenize) if isinstance(n, ast.ListComp))
+    assert isinstance(entry, ast.Tuple) and entry.elts[0].id == "logprob"  # (logprob, token_id, None)
+    init_info = wheel.functions("sglang/srt/managers/scheduler.py")["get_init_info"]
+    server = set().union(*(dict_keys(n) for n in ast.walk(init_info) if isinstance(n, ast.Dict)))
+    server_info = ast.unparse(wheel.functions("sglang/srt/entrypoints/engine.py")["get_server_info"])
+    assert "**self._scheduler_init_result.scheduler_infos[0]" in server_info and "resolved_dict()" in server_info
+    server |= wheel.server_args  # the server info starts with the resolved server arguments
+    paths = {("chunk", k) for k in chunk} | {("chunk", "meta_info", k) for k in meta} | {("chunk", "output_ids", "[]")}
+    paths |= {("chunk", "meta_info", "finish_reason", k) for k in finish} | {("server_info", k) for k in server}
+    paths |= {("chunk", "meta_info", "weight_versions", "[]", k) for k in span}
+    paths |= {("chunk", "meta_info", "output_token_logprobs", "[]", i) for i in range(len(entry.elts))}
+    return {path[:n] for path in paths for n in range(1, len(path) + 1)}
+
+
+def _paths(value, path: tuple) -> set[tuple]:
+    """The paths a reply the stand-in built holds (the same notation as ReplyPaths)."""
+    found = {path}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found |= _paths(item, path + (key,))
+    elif isinstance(value, list):
+        for item in value:
+            found |= _paths(item, path + ("[]",))
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            found |= _paths(item, path + (i,))
+    return found
 
 
 def _is_self_attr(node: ast.expr, name: str) -> bool:
@@ -243,18 +297,82 @@ def test_update_must_run_inside_a_weight_update_session(wheel):
     assert "update_weights_from_tensor must run between" in source
 
 
+def test_positional_arguments_land_where_the_wheel_expects_them(wheel, uses):
+    """A call by position must fill the parameter it means: at most as many positional arguments as
+    the wheel's method takes, and a request object passed to a tokenizer-manager method must be the
+    class its first parameter is annotated with."""
+    functions = {"_engine": methods_of_engine(wheel), "_tm": wheel.tokenizer_manager_functions}
+    assert uses.positional, "the adapter passes nothing by position?"
+    for owner, method, arguments in uses.positional:
+        function = functions[owner][method]
+        positional = _positional(function)
+        assert len(arguments) <= len(positional), f"{owner}.{method} takes {positional} by position, got {len(arguments)}"
+        for argument, name in zip(arguments, positional):
+            if isinstance(argument, ast.Call) and _is_self_attr(argument.func.value, "_io"):
+                parameter = next(a for a in function.args.args if a.arg == name)
+                assert ast.unparse(parameter.annotation) == argument.func.attr, (method, name)
+
+
+def methods_of_engine(wheel) -> dict:
+    return sglang_wheel.methods_of(wheel.engine_class)
+
+
+def test_results_the_adapter_unpacks_have_that_shape(wheel, uses):
+    """`ok, message = engine.m(...)`: sglang.Engine.m returns the tokenizer manager's m, which is
+    declared Tuple[bool, str]; the stand-in returns the same pairs. get_weights_by_name gives rows as
+    nested lists (the model's tolist()), which read_weights turns back into a tensor."""
+    assert set(uses.unpacked) >= {"update_weights_from_tensor", "begin_weight_update", "end_weight_update"}
+    standin = {n.name: n for n in ast.parse(STANDIN.read_text()).body if isinstance(n, ast.ClassDef)}["Engine"]
+    standin_methods = sglang_wheel.methods_of(standin)
+    for method, arity in uses.unpacked.items():
+        body = ast.unparse(methods_of_engine(wheel)[method])
+        assert f"self.loop.run_until_complete(self.tokenizer_manager.{method}(" in body, method
+        returns = wheel.tokenizer_manager_functions[method].returns
+        assert ast.unparse(returns) == "Tuple[bool, str]" and arity == 2, (method, ast.unparse(returns))
+        shapes = {len(r.value.elts) if isinstance(r.value, ast.Tuple) else None
+                  for r in ast.walk(standin_methods[method]) if isinstance(r, ast.Return)}
+        assert shapes == {arity}, f"stand-in {method} returns {shapes}"
+    llama = ast.unparse(wheel.functions("sglang/srt/models/llama.py")["get_weights_by_name"])
+    assert ".tolist()[:truncate_size]" in llama
+    assert "return all_parameters[0]" in ast.unparse(wheel.tokenizer_manager_functions["get_weights_by_name"])
+
+
+def test_reply_keys_nest_as_in_the_wheel(wheel):
+    """Not only names: every path the adapter reads (chunk -> meta_info -> finish_reason -> type, the
+    spans' version/start/end, the log-prob entries' position 0, the server info's pool size) exists
+    at that depth in what the wheel builds, and so does every path of the stand-in's replies."""
+    schema = _reply_schema(wheel)
+    reads = ReplyPaths(ast.parse(inspect.getsource(adapter))).reads
+    assert reads >= {("chunk", "meta_info", "finish_reason", "type"), ("chunk", "output_ids"),
+                     ("chunk", "meta_info", "weight_versions", "[]", "version"),
+                     ("chunk", "meta_info", "output_token_logprobs", "[]", 0), ("server_info", "max_total_num_tokens")}
+    assert sorted(reads - schema, key=str) == []
+    sglang_standin = load_standin()
+
+    state = sglang_standin._Req("r", [1, 2], {}, output_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -0.5], events=[("0", 2)])
+    owner = type("Owner", (), {"weight_version": "1"})()
+    chunk = sglang_standin.Engine._chunk(owner, state, {"type": "length", "length": 3})
+    produced = _paths(chunk, ("chunk",)) | _paths(sglang_standin.Engine.get_server_info(owner), ("server_info",))
+    assert sorted(produced - schema, key=str) == []
+
+
 # -- the stand-in speaks the same names --------------------------------------------------------------
 
 def test_standin_signatures_exist_in_the_wheel(wheel):
     tree = ast.parse(STANDIN.read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     real = {"Engine": wheel.engine_methods, "TokenizerManager": wheel.tokenizer_manager_methods}
+    functions = {"Engine": methods_of_engine(wheel), "TokenizerManager": wheel.tokenizer_manager_functions}
     for name, methods in real.items():
-        for method, args in _methods(classes[name]).items():
+        for method, function in sglang_wheel.methods_of(classes[name]).items():
             if method.startswith("_"):
                 continue
+            args = _arg_names(function)
             assert method in methods, f"stand-in {name}.{method} is not in the wheel"
             assert args <= methods[method], f"stand-in {name}.{method} has {args - methods[method]} the wheel lacks"
+            theirs = _positional(functions[name][method])
+            assert _positional(function) == theirs[:len(_positional(function))], \
+                f"stand-in {name}.{method} orders its parameters {_positional(function)}, the wheel {theirs}"
     for name in ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightVersionReqInput",
                  "FlushCacheReqOutput"):
         mine, theirs = _fields(classes[name]), wheel.io_struct[name]

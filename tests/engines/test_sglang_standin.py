@@ -7,12 +7,16 @@ tests check what the adapter asks of SGLang, in which order, and what it makes o
 from __future__ import annotations
 
 import importlib.util
+import os
+import pickle
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import sglang_wheel  # tests/helpers
+from colorl import distributed
 from colorl.config import EngineConfig, SyncConfig
 from colorl.engines import build_engine
 from colorl.engines.base import GenerationRequest, SamplingParams
@@ -37,6 +41,11 @@ def model_dir(tmp_path_factory):
 def trained(tmp_path_factory):
     """The 'trainer': the same architecture with other weights (what a sync must deliver)."""
     return load_model(save_tiny_model(tmp_path_factory.mktemp("sgl-llama-2"), seed=1, initializer_range=0.3)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _wheel():
+    sglang_wheel.require()  # the stand-in runs the wheel's serialisation code
 
 
 @pytest.fixture
@@ -114,6 +123,7 @@ def test_sync_goes_bucket_by_bucket_and_ends_bit_for_bit(engine, trained):
 def test_sleep_levels_release_and_resume_by_tag(engine, trained):
     sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
     engine.sleep(1)
+    distributed.release_cached_device_memory("cpu")  # the hand-off the worker makes before each wake
     engine.wake()
     assert fake(engine).calls[-2:] == [("release_memory_occupation", ("kv_cache",)),
                                        ("resume_memory_occupation", ("kv_cache",))]
@@ -121,6 +131,7 @@ def test_sleep_levels_release_and_resume_by_tag(engine, trained):
     assert fake(engine).calls[-1] == ("release_memory_occupation", ("kv_cache", "weights", "cuda_graph"))
     with pytest.raises(RuntimeError, match="before a weight sync"):
         engine.wake()
+    distributed.release_cached_device_memory("cpu")
     sync.sync(engine, 2)  # the weights' memory comes back for the load, then the rest on wake
     engine.wake()
     calls = fake(engine).calls
@@ -129,6 +140,43 @@ def test_sleep_levels_release_and_resume_by_tag(engine, trained):
     assert "flush_cache" not in names(calls[calls.index(("resume_memory_occupation", ("weights",))):])
     result = engine.generate([request("woken")])[0]
     assert all(torch.isfinite(torch.tensor(result.logprobs))) and result.versions[0] == 2
+
+
+def test_memory_the_trainer_still_caches_cannot_be_resumed_into(engine, trained):
+    """The simulated device: what the engine releases, the trainer's allocator takes, until colorl
+    hands it back; a resume before the hand-off fails as it would in SGLang's scheduler."""
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
+    engine.sleep(1)
+    with pytest.raises(RuntimeError, match="CUDA out of memory.*still reserved by the trainer"):
+        engine.wake()
+    engine.sleep(2)
+    with pytest.raises(RuntimeError, match="CUDA out of memory: resume_memory_occupation\\('weights'\\)"):
+        sync.sync(engine, 1)  # level 2: the sync maps the weights back first
+    distributed.release_cached_device_memory("cpu")
+    sync.sync(engine, 1)
+    engine.wake()
+    assert standin.DEVICE.hand_offs == 1 and standin.DEVICE.trainer_cached == 0
+
+
+class Subclassed(torch.Tensor):
+    """A tensor subclass outside SGLang's allow-list, as a DTensor shard would be."""
+
+
+def test_tensors_pass_sglangs_serialisation_and_its_unpicklers_allow_list(engine):
+    """What the real scheduler would refuse, the stand-in refuses: tensors reach it through the
+    wheel's MultiprocessingSerializer and SafeUnpickler (one payload per TP rank)."""
+    serializer = sglang_wheel.serializer()
+    plain = [("model.norm.weight", torch.ones(4))]
+    (name, received), = serializer.deserialize(serializer.serialize(plain))
+    assert name == "model.norm.weight" and torch.equal(received, plain[0][1])
+
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        serializer.deserialize(serializer.serialize([("model.norm.weight", torch.ones(4).as_subclass(Subclassed))]))
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        serializer.deserialize(pickle.dumps(os.system))
+    fake(engine).begin_weight_update()
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        fake(engine).update_weights_from_tensor([("model.norm.weight", torch.ones(64).as_subclass(Subclassed))])
 
 
 def test_interrupt_hands_back_partial_tokens_and_abort_drops(engine):

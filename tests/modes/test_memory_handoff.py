@@ -3,7 +3,8 @@ another process, SGLang's scheduler, can only map what the trainer's caching all
 
 Run for real (colocated, world 1, eval on, sleep level 2) with recorders around what allocates on the
 device (a training step, a weight sync) and around the hand-off: each wake must come after a hand-off
-that follows the last allocation."""
+that follows the last allocation, and each sync after a hand-off that follows training. The
+stand-in of SGLang (tests/engines/sglang_standin.py) enforces the same through its simulated device."""
 from __future__ import annotations
 
 import json
@@ -56,3 +57,9 @@ def test_every_wake_follows_a_memory_hand_off(tmp_path, monkeypatch):
         allocations = [j for j in range(i) if events[j] in ("train", "sync")]
         last_allocation = allocations[-1] if allocations else -1
         assert "hand-off" in events[last_allocation + 1:i], events
+    # at sleep level 2 a sync maps the engine's weights back first: training's cache is returned before it
+    syncs_after_training = [i for i, e in enumerate(events) if e == "sync" and "train" in events[:i]]
+    assert len(syncs_after_training) == 2
+    for i in syncs_after_training:
+        last_train = max(j for j in range(i) if events[j] == "train")
+        assert "hand-off" in events[last_train + 1:i], events
