@@ -75,7 +75,8 @@ $(VLLM_STAMP): pyproject.toml
 setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -m pytest -q -m "slow or not slow" tests/engines/test_vllm_*.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_BIN)/python -m pytest -q -m "slow or not slow" -k vllm \
+		tests/engines/test_vllm_*.py tests/engines/test_conformance.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs

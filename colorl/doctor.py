@@ -33,6 +33,8 @@ CPU_ENGINES = ("native", "hf")
 CPU_SETTINGS = ["model.path=tiny-random-llama", "model.dtype=float32", "task.name=arithmetic",
                 "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.concurrency=16",
                 "engine.max_num_seqs=16", "train.lr=1e-3", "run.eval_prompts=4"]
+# the tiny model an engine accepts on CPU, where it is not CPU_SETTINGS' (vLLM's CPU attention refuses head_dim 16)
+CPU_MODELS = {"vllm": "tiny-random-llama-hd32"}
 LORA = "{r: 8, alpha: 16}"
 GIB = 2**30
 
@@ -240,6 +242,8 @@ class DoctorPlan:
 
         settings = [*self.base, *case.settings(self.lora, engine_class(case.engine).keeps_kv_across_updates),
                     f"launch.nproc={self.nproc}"]
+        if self.device == "cpu" and case.engine in CPU_MODELS:
+            settings.append(f"model.path={CPU_MODELS[case.engine]}")
         return settings, load_config(self.config, settings)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from colorl.doctor import CPU_MODELS
 from colorl.engines import engine_class
 from colorl.engines.base import Engine
 from checked_runs import checked_run as run_checked, metrics, weights  # tests/helpers
@@ -45,25 +46,38 @@ def _standin_rank() -> Callable:
     return sglang_standin_rank
 
 
+def _sglang_wheel_missing() -> str | None:
+    """The stand-in runs the wheel's own serialisation code (tests/helpers/sglang_wheel.py)."""
+    import sglang_wheel
+
+    try:
+        sglang_wheel.obtain()
+    except sglang_wheel.WheelUnavailable as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
     engine: str  # rollout.engine (its class comes from colorl.engines' registry)
     rank: Callable[[], Callable] = _checked_rank  # gives the function each rank runs
     needs: str | None = None  # a package the engine needs here; skipped when it is not importable
+    missing: Callable[[], str | None] = lambda: None  # anything else it needs: why it cannot run, or None
+    sets: tuple[str, ...] = ()  # settings the engine needs (a model it accepts)
 
     def skip_reason(self) -> str | None:
         if self.needs and importlib.util.find_spec(self.needs) is None:
             return f"{self.needs} is not importable here (it runs in its own venv, .venv-{self.needs})"
-        return None
+        return self.missing()
 
 
 
 COLUMNS = [
     Column("native", "native"),
     Column("hf", "hf"),
-    Column("sglang-standin", "sglang", rank=_standin_rank),
-    Column("vllm", "vllm", needs="vllm"),
+    Column("sglang-standin", "sglang", rank=_standin_rank, missing=_sglang_wheel_missing),
+    Column("vllm", "vllm", needs="vllm", sets=(f"model.path={CPU_MODELS['vllm']}",)),
 ]
 BASE = ["task.reward=reward_fns:long_is_right", "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4",
         "filter.zero_variance=true", "train.lr=1e-2", "launch.device=auto", "launch.nproc=1"]
@@ -102,7 +116,8 @@ def test_every_engine_has_the_interfaces_signatures(column):
 
 def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = False) -> list[dict]:
     """A run of this column's engine with the sync check on (a weight mismatch fails it)."""
-    return run_checked(column.rank(), [*BASE, f"rollout.engine={column.engine}", *sets], run_dir, resume, column.name)
+    return run_checked(column.rank(), [*BASE, f"rollout.engine={column.engine}", *column.sets, *sets], run_dir, resume,
+                       column.name)
 
 
 def interrupted_copy(run_dir: Path, into: Path, step: int) -> Path:

@@ -83,6 +83,18 @@ def test_sampled_logprobs_equal_hf_forward(model_dir, hf):
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_teacher_forced_scores_are_the_behaviour_logprobs(model_dir, temperature):
+    """score() (the oracle test's entry: tests/engines/test_vllm_oracle.py) gives, for the tokens the
+    engine sampled, the log-probs step() returned for them, and leaves no KV block taken."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True, seed=11)
+    eng = engine(model_dir)
+    for prompt, result in zip(PROMPTS, eng.generate(requests(PROMPTS, params))):
+        scored = eng.score(prompt, result.output_ids, temperature)
+        assert torch.allclose(torch.tensor(scored), torch.tensor(result.logprobs), atol=2e-5, rtol=0)
+    assert eng.stats().kv_blocks_used == 0
+
+
 def test_logprobs_follow_temperature_top_k_top_p(model_dir, hf):
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=10, ignore_eos=True, seed=5)
     eng = engine(model_dir)

@@ -68,3 +68,14 @@ def test_colocated_world_size_2(tmp_path):
     assert main(["train", "configs/tiny.yaml", *cli, "--nproc=2", "--run-dir", str(tmp_path / "w2")]) == 0
     lines = metrics(tmp_path / "w2")
     assert [r["step"] for r in lines] == [1, 2] and all(r["version"] == r["step"] for r in lines)
+
+
+@pytest.mark.timeout(600)
+def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts(tmp_path, capsys):
+    """`colorl doctor` on CPU adds the vllm cases where vLLM is installed, on the tiny model with head_dim 32."""
+    cases = ["vllm/colocated/sleep2/lora", "vllm/bounded_lag/full"]
+    code = main(["doctor", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "d"),
+                 *[a for c in cases for a in ("--case", c)]])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert all(f"PASS  {case} " in out for case in cases), out

@@ -20,6 +20,7 @@ the sampling stream continues at the carried length (same seed -> same continuat
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -28,12 +29,12 @@ from typing import Iterable, Mapping
 
 import torch
 
-from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, SamplingParams
 from colorl.engines.native.block_manager import BlockManager
 from colorl.engines.native.model import CausalLM, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
 from colorl.engines.native.sampler import Sampler, SampleRow
-from colorl.engines.native.scheduler import Scheduler, Sequence
+from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
 
 RATE_WINDOW_STEPS = 64  # decode tokens/s is measured over the last this many steps
 
@@ -151,6 +152,31 @@ class NativeEngine(Engine):
             results.append(self._result(seq, seq.finish_reason))
         self._finished_count += len(results)
         return results
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Teacher-forced log-probs of `output_ids` after `prompt_ids` under the weights served now, of
+        the distribution `step()` samples from at `temperature` (its behaviour log-probs): for checking
+        this engine's numerics against another engine on the very same tokens. One prefill through
+        the model runner in free KV blocks, every output position's logits kept."""
+        if self._sleep_level:
+            raise RuntimeError("engine is asleep: call wake() before score()")
+        tokens = [*prompt_ids, *output_ids]
+        blocks = self.blocks.allocate(self.blocks.blocks_for(len(tokens)))
+        try:
+            seq = Sequence(request_id="score", token_ids=tokens, num_prompt_tokens=len(prompt_ids),
+                           params=SamplingParams(temperature=temperature), seed=0, block_table=blocks)
+            batch = ScheduledBatch()
+            batch.add(seq, len(tokens))
+            step, _ = self.runner.prepare(batch)
+            rows = torch.arange(len(prompt_ids) - 1, len(tokens) - 1, device=self.device)
+            logits = self.model(dataclasses.replace(step, logit_rows=rows), self.runner.kv_cache)  # [N, V] float32
+            if temperature > 0:
+                logits = logits / temperature
+            chosen = torch.tensor(output_ids, device=self.device)[:, None]
+            return torch.log_softmax(logits, -1).gather(-1, chosen).squeeze(-1).tolist()
+        finally:
+            self.blocks.free(blocks)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = set(request_ids)
