@@ -29,6 +29,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class WandbConfig(Section):
+    project: str = "colorl"
+    name: Optional[str] = None  # null: run.name
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class RunConfig(Section):
     name: str = "run"
     dir: str = "runs"
@@ -40,6 +46,7 @@ class RunConfig(Section):
     eval_every: int = Field(0, ge=0)  # 0: no periodic eval
     eval_prompts: int = Field(32, ge=0)
     tensorboard: bool = False
+    wandb: Optional[WandbConfig] = None  # Weights & Biases tracking; null: off
 
 
 class LoraConfig(Section):
@@ -96,6 +103,8 @@ class TrainConfig(Section):
     # last good step); fewer are skipped (no optimizer step) and counted in optimizer_steps_skipped
     max_nonfinite_in_a_row: int = Field(3, ge=1)
     offload_optimizer: bool = False
+    # recompute each decoder layer's activations in backward instead of keeping them
+    activation_checkpointing: bool = False
     # compute dtype of forward/backward (FSDP2 mixed precision); weights, optimizer state and
     # gradient reduction stay in model.dtype. null: compute in model.dtype
     mixed_precision: Optional[Literal["bfloat16", "float16"]] = None

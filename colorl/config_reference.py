@@ -42,6 +42,13 @@ NOTES: dict[str, str] = {
     "run.eval_every": "Held-out greedy accuracy every N steps (and once before step 1); 0: never.",
     "run.eval_prompts": "Held-out problems per evaluation (capped by the task's eval split).",
     "run.tensorboard": "Also log every metric to `RUN_DIR/tensorboard` (needs `colorl[tensorboard]`).",
+    "run.wandb": "Also track the run with Weights & Biases (needs `colorl[wandb]`; rank 0): every metric at its "
+                 "step, the resolved config and, at the end, the `colorl plot` charts; `--resume` continues the same "
+                 "W&B run. A tracker failure is one warning, never the end of the run. null: no tracking.",
+    "run.wandb.project": "W&B project the run is logged to.",
+    "run.wandb.name": "W&B display name; null: `run.name`.",
+    "run.wandb.mode": "`online`: send to the W&B server; `offline`: write `RUN_DIR/wandb` only, no network "
+                      "(`wandb sync` uploads it later); `disabled`: no tracking.",
     "model.path": "A local Hugging Face folder, a hub id already in the local cache, or an alias "
                   "(`smollm2-135m-instruct`, `tiny-random-llama`).",
     "model.dtype": "Dtype of the weights, the optimizer state and the engine.",
@@ -81,6 +88,11 @@ NOTES: dict[str, str] = {
     "train.logits_chunk_tokens": "Trained positions whose [tokens, vocab] logits are computed at a time.",
     "train.grad_clip": "Clip the global gradient norm to this value.",
     "train.offload_optimizer": "Keep the optimizer state in host memory between steps (GPU memory saver).",
+    "train.activation_checkpointing": "Keep only each decoder layer's input during the forward and recompute the "
+                                      "layer in backward (torch's checkpoint, per layer, under FSDP2; LoRA too): "
+                                      "activation memory drops to one layer's worth, for about one more forward "
+                                      "pass of compute. `colorl plan` counts it and suggests it first when "
+                                      "activations are what does not fit.",
     "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
                                  "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
                                  "a sync re-sends only the adapted matrices and would leave the rest released.",

@@ -6,7 +6,7 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
 - FSDP2's unsharded layer during forward/backward: the current and the prefetched decoder
   layer in the compute dtype, plus one layer's gradient in float32 for the reduce-scatter;
 - activations kept for backward for one micro-batch at the longest sequence (longest prompt +
-  `rollout.max_new_tokens`), no activation checkpointing, per token (b = compute dtype bytes):
+  `rollout.max_new_tokens`), per token (b = compute dtype bytes):
       per layer  2·norm + 5b·hidden + 4b·intermediate   (attention: rotated q, GQA-expanded k
                  and v, output, the varlen concat; MLP: gate, up, act(gate), act(gate)·up)
       norm       8·hidden, + 2b·hidden below float32 (HF RMSNorm keeps its input and a float32
@@ -15,6 +15,8 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
                  module's input to the adapters' float32 and keeps that copy)
       once       norm + 2b·hidden + 12 (embedding output, final norm, the hidden states the head
                  picks, three float32 per-token results)
+  with `train.activation_checkpointing` each layer keeps only its input (b·hidden) and backward
+  recomputes one layer at a time: layers·b·hidden + one layer's part (its LoRA casts included) + once;
   plus the LM head's logits for `train.logits_chunk_tokens` rows at a time, (b + 16)·vocab each
   (logits, their float32 copy at the temperature, the entropy's softmax and product);
   Checked against a measured CPU training step (tests/test_plan.py): per-layer slope within 1%,
@@ -101,23 +103,29 @@ class Architecture:
             max_positions=hf_config.max_position_embeddings,
         )
 
-    def activation_bytes_per_token(self, b: int, lora: bool = False) -> int:
-        """Kept for backward per token of a micro-batch, LM head's chunked logits apart."""
+    def activation_bytes_per_token(self, b: int, lora: bool = False, checkpointed: bool = False) -> int:
+        """Kept for backward per token of a micro-batch, LM head's chunked logits apart.
+        checkpointed: per-layer activation checkpointing (train.activation_checkpointing)."""
         norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
         # + b * hidden: the packed (varlen) attention concatenates its per-sequence outputs
         per_layer = 2 * norm + 5 * b * self.hidden + 4 * b * self.intermediate
         # peft's lora.Linear.forward casts its input to the adapters' float32 (`_cast_input_dtype`)
         # and lora_A keeps that copy for backward: one per adapted module, below float32 compute
         lora_casts = 4 * self.lora_inputs if lora and b < 4 else 0
+        if checkpointed:  # every layer's input, and the one layer backward is recomputing
+            layers = self.layers * b * self.hidden + per_layer + lora_casts // self.layers
+        else:
+            layers = self.layers * per_layer + lora_casts
         # once: the final norm, the embedding output, the hidden states the head picks, and its
         # float32 log-prob, entropy and log-normaliser
-        return self.layers * per_layer + lora_casts + norm + 2 * b * self.hidden + 12
+        return layers + norm + 2 * b * self.hidden + 12
 
-    def activation_bytes(self, tokens: int, b: int, chunk: int, lora: bool = False) -> int:
+    def activation_bytes(self, tokens: int, b: int, chunk: int, lora: bool = False, checkpointed: bool = False) -> int:
         """A micro-batch of `tokens`: the per-token part, and the LM head's logits, which exist
         for `chunk` rows at a time (colorl/train/head.py): logits, their float32 copy at the
         temperature, and the entropy's softmax and product, alive together."""
-        return tokens * self.activation_bytes_per_token(b, lora) + min(tokens, chunk) * (b + 16) * self.vocab
+        return (tokens * self.activation_bytes_per_token(b, lora, checkpointed)
+                + min(tokens, chunk) * (b + 16) * self.vocab)
 
     def kv_bytes_per_token(self, b: int) -> int:
         return 2 * self.layers * self.kv_dim * b
@@ -235,9 +243,11 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
         Line("gradients", -(-trainable * a // world), f"{_count(trainable)} trainable x {a} B / {world} ranks"),
         Line("optimizer state", -(-2 * trainable * a // world),
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
-        Line("activations", arch.activation_bytes(micro_tokens, b, cfg.train.logits_chunk_tokens, lora),
+        Line("activations", arch.activation_bytes(micro_tokens, b, cfg.train.logits_chunk_tokens, lora,
+                                                  cfg.train.activation_checkpointing),
              f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} "
-             f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"),
+             f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"
+             + (", layers checkpointed" if cfg.train.activation_checkpointing else "")),
         Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
              "FSDP2: current + prefetched layer, fp32 grad"),
         Line("engine weights", engine_weights, "tensor-parallel size 1"),
@@ -271,8 +281,12 @@ def _with(cfg, section: str, **values):
 
 
 def knobs(cfg):
-    """Single changes that lower the peak, most specific first: (description, changed config)."""
+    """Single changes that lower the peak, most specific first: (description, changed config).
+    Activation checkpointing comes first: where activations are what does not fit, it frees the
+    most for the least (one more forward per step) without changing the batch."""
     candidates = []
+    if not cfg.train.activation_checkpointing:
+        candidates.append(("train.activation_checkpointing=true", _with(cfg, "train", activation_checkpointing=True)))
     budget = cfg.train.max_tokens_per_micro_batch
     while budget > 256:
         budget //= 2

@@ -1,10 +1,15 @@
-"""Per-step metrics: an append-only metrics.jsonl (fsync'd per line) and optional TensorBoard."""
+"""Per-step metrics: an append-only metrics.jsonl (fsync'd per line), optional TensorBoard and W&B."""
 from __future__ import annotations
 
 import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from colorl.config import Config
+    from colorl.metrics.wandb_sink import WandbSink
 
 # Keys every metrics line carries (DESIGN.md); modes fill the ones that do not apply with 0 / null.
 METRIC_KEYS = (
@@ -16,14 +21,23 @@ METRIC_KEYS = (
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = False) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: WandbSink | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._wandb = wandb
         _end_torn_line(self.path)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    @classmethod
+    def for_run(cls, run_dir: Path, cfg: Config) -> MetricsWriter:
+        """Rank 0's writer, with the trackers `run.tensorboard` and `run.wandb` ask for."""
+        from colorl.metrics.wandb_sink import WandbSink
+
+        return cls(run_dir, cfg.run.tensorboard, WandbSink.for_run(cfg, run_dir))
 
     def write(self, record: dict) -> None:
         missing = [k for k in METRIC_KEYS if k not in record]
@@ -43,10 +57,14 @@ class MetricsWriter:
                     for bin_name, count in value.items():
                         self._tb.add_scalar(f"{key}/{bin_name}", count, record["step"])
             self._tb.flush()
+        if self._wandb is not None:  # after the file: a tracker never costs a line of metrics.jsonl
+            self._wandb.log(record)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish(self.run_dir)
 
 
 def _end_torn_line(path: Path) -> None:

@@ -17,6 +17,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(inner.layers)
 
 
+def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Activation checkpointing per decoder layer: backward recomputes a layer from its saved input
+    instead of keeping its intermediates. torch's composable `checkpoint` leaves the parameter names
+    as they are (the checkpoint engine and the saved checkpoints see no wrapper) and composes with
+    `fully_shard` applied after it."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(model):
+        checkpoint(layer)
+    return model
+
+
 def make_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
 

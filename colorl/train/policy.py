@@ -11,7 +11,7 @@ import torch.distributed as dist
 from colorl.kernels import use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention
-from colorl.train.fsdp import add_forward_method, make_mesh, shard_model
+from colorl.train.fsdp import add_forward_method, checkpoint_layers, make_mesh, shard_model
 from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.train.head import sampled_token_logprobs
 from colorl.train.packing import MicroBatch, TrainBatch, pack, plan_micro_batches, split_to_count
@@ -58,6 +58,8 @@ class PolicyTrainer:
         model.to(device)
         model.config.use_cache = False
         self.compute_dtype = getattr(torch, cfg.train.mixed_precision) if cfg.train.mixed_precision else None
+        if cfg.train.activation_checkpointing:
+            checkpoint_layers(model)
         self.model = self._shard(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,

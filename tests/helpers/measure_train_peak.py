@@ -1,6 +1,6 @@
 """Peak memory of one real CPU training step, measured, for tests/test_plan.py.
 
-`python measure_train_peak.py MODEL_DIR MICRO_BATCH SEQ` prints JSON: the rise of the process's
+`python measure_train_peak.py MODEL_DIR MICRO_BATCH SEQ [checkpointed]` prints JSON: the rise of the process's
 peak resident memory over one `PolicyTrainer.train_step` (optimizer state already created), and
 the gradient bytes inside it. glibc is told to serve every allocation above 64 KiB by mmap and to
 give freed memory back at once, so resident memory follows the live tensors; the peak is reset
@@ -29,10 +29,11 @@ def status(key: str) -> int:
 
 def main() -> None:
     model_dir, micro, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    checkpointed = sys.argv[4:] == ["checkpointed"]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = load_config(None, [f"train.max_tokens_per_micro_batch={micro * seq}", "launch.device=cpu"],
-                      check_paths=False)
+    cfg = load_config(None, [f"train.max_tokens_per_micro_batch={micro * seq}", "launch.device=cpu",
+                             f"train.activation_checkpointing={str(checkpointed).lower()}"], check_paths=False)
     trainer = PolicyTrainer(Path(model_dir), cfg, "cpu")
     mask = [0.0] * (seq // 4) + [1.0] * (seq - seq // 4)
     sequences = [(torch.randint(3, 250, (seq,)).tolist(), mask, [-1.0] * seq) for _ in range(micro)]
