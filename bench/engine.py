@@ -1,7 +1,9 @@
-"""Native engine vs the hf backend on SmolLM2-135M (issue 3): rollout tokens/s, memory, decode floor.
+"""Native engine vs the hf backend or vLLM on SmolLM2-135M: rollout tokens/s, start-up, memory, decode floor.
 
     python bench/engine.py                  # both workloads, both engines, decode floor (~5 min)
     python bench/engine.py --quick          # 4 prompts x 2 samples, mean 32: a smoke run
+    .venv-vllm/bin/python bench/engine.py --engines native,vllm --threads 2 --split
+                                            # against vLLM's CPU build (colorl's adapter, in process)
 
 Workloads (8 prompts x 4 samples, temperature 1, top-p 1, a GRPO rollout batch):
 - long_tail: `ignore_eos`, each request's max_new_tokens drawn from the capped lognormal of
@@ -16,6 +18,11 @@ so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth
 (a sum over a 512 MiB tensor, same thread count). The ratio step / floor says how far the native
 decode step is from memory-bound ideal at batch 1, 8 and 32.
 
+With --split each rollout also runs once more under torch.profiler, and the decode time is split
+by what the operators do (products, attention, KV writes, elementwise, sampling; the rest of the
+wall time is Python and dispatch), for every engine whose work is torch operators (vLLM's CPU
+build is: its kernels are registered torch ops).
+
 Results: bench/results/engine.json; summary in bench/README.md ("Native engine (issue 3)").
 """
 from __future__ import annotations
@@ -23,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -32,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from machine import cpu_model  # bench/
 
 ROOT = Path(__file__).resolve().parent
 QUESTIONS = [
@@ -108,7 +116,9 @@ def worker_rollout(args) -> dict:
 
     model_dir = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
     engine = make_engine(args.engine, model_dir, dtype)
+    startup_s = time.perf_counter() - started
     warm = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
     engine.generate([GenerationRequest(f"warm{i}", [1, 2, 3, 4, 5], warm) for i in range(2)])
     rss_loaded = rss_bytes()
@@ -120,7 +130,8 @@ def worker_rollout(args) -> dict:
     seconds = time.perf_counter() - started
     lengths = [len(r.output_ids) for r in results]
     out = {
-        "engine": args.engine, "workload": args.workload, "seconds": seconds, "generated_tokens": sum(lengths),
+        "engine": args.engine, "workload": args.workload, "startup_s": startup_s, "seconds": seconds,
+        "generated_tokens": sum(lengths),
         "tokens_per_s": sum(lengths) / seconds, "mean_length": sum(lengths) / len(lengths), "max_length": max(lengths),
         "rss_after_load_gb": rss_loaded / 1e9,
         "peak_rss_load_gb": load_peak / 1e9,  # includes the mmapped checkpoint while loading
@@ -138,7 +149,40 @@ def worker_rollout(args) -> dict:
                    kv_blocks_touched=touched, kv_touched_gb=touched * kv_bytes_per_block(engine.spec, engine.blocks.block_size, dtype) / 1e9)
     if args.workload == "long_tail":
         assert lengths == budgets, "long-tail workload: every request must produce exactly its drawn length"
+    if args.split:
+        out["split"] = time_split(engine, build_requests(args, args.engine, model_dir)[0])
     return out
+
+
+SPLIT = {  # operator-name fragments -> what the time is spent on (first match wins)
+    "products": ("linear", "mm", "matmul", "addmm", "bmm", "gemm"),
+    "attention": ("attention", "sdpa", "softmax", "paged", "flash"),
+    "kv_writes": ("index_put", "index_copy", "scatter", "reshape_and_cache", "copy_"),
+    "sampling": ("multinomial", "sort", "cumsum", "searchsorted", "topk", "argmax", "log_softmax", "exponential"),
+    "elementwise": ("mul", "add", "silu", "rms", "norm", "rsqrt", "pow", "mean", "cat", "neg", "cos", "sin",
+                    "exp", "div", "sub", "where", "to", "gather", "index_select", "embedding", "clone", "contiguous"),
+}
+
+
+def time_split(engine, requests) -> dict:
+    """One more rollout under torch.profiler: the operators' own CPU time by kind, and the rest of
+    the wall time (Python, dispatch, scheduling) as `python`. Profiling slows the run; the split is
+    what counts here, not the absolute times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for request in requests:
+        request.request_id = "split-" + request.request_id
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        engine.generate(requests)
+        wall = time.perf_counter() - started
+    kinds = dict.fromkeys([*SPLIT, "other_ops"], 0.0)
+    for event in prof.key_averages():
+        name = event.key.lower()
+        kind = next((k for k, parts in SPLIT.items() if any(part in name for part in parts)), "other_ops")
+        kinds[kind] += event.self_cpu_time_total / 1e6
+    ops = sum(kinds.values())
+    return {"wall_s": wall, **{f"{k}_s": v for k, v in kinds.items()}, "python_s": max(wall - ops, 0.0)}
 
 
 def measure_bandwidth(threads: int) -> float:
@@ -201,6 +245,8 @@ def spawn(args, worker: str, **extra) -> dict:
            "--natural-max", str(args.natural_max), "--seed", str(args.seed)]
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
+    if args.split and worker != "floor":
+        cmd.append("--split")
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -225,7 +271,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="long_tail,natural")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results" / "engine.json"))
-    parser.add_argument("--worker", choices=["native", "hf", "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--split", action="store_true", help="also split each rollout's time by operator kind")
+    parser.add_argument("--worker", choices=["native", "hf", "vllm", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,7 +285,7 @@ def main() -> None:
         args.prompts, args.samples, args.mean, args.natural_max = 4, 2, 32, 64
     engines = args.engines.split(",")
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
                     "torch": torch.__version__, "load_avg_at_start": os.getloadavg()},
         "model": args.model, "dtype": args.dtype, "prompts": args.prompts, "samples": args.samples,
         "length_model": {"mean": args.mean, "tailness": args.tailness, "cap": args.cap, "seed": args.seed},
@@ -253,9 +300,16 @@ def main() -> None:
             print(f"{workload:9s} {name:6s} {entry[name]['tokens_per_s']:8.1f} tok/s  "
                   f"{entry[name]['generated_tokens']} tokens in {entry[name]['seconds']:.1f} s  "
                   f"rollout peak RSS {entry[name]['peak_rss_rollout_gb'] or entry[name]['peak_rss_gb']:.2f} GB", flush=True)
-        if "native" in entry and "hf" in entry:
-            entry["native_over_hf"] = entry["native"]["tokens_per_s"] / entry["hf"]["tokens_per_s"]
-            print(f"{workload:9s} native / hf = {entry['native_over_hf']:.2f}x", flush=True)
+        for other in ("hf", "vllm"):
+            if "native" in entry and other in entry:
+                entry[f"native_over_{other}"] = entry["native"]["tokens_per_s"] / entry[other]["tokens_per_s"]
+                print(f"{workload:9s} native / {other} = {entry[f'native_over_{other}']:.2f}x tokens/s; start-up "
+                      f"{entry['native']['startup_s']:.1f} s vs {entry[other]['startup_s']:.1f} s", flush=True)
+        for name in engines:
+            if "split" in entry[name]:
+                split = entry[name]["split"]
+                print(f"{workload:9s} {name:6s} split of {split['wall_s']:.1f} s (profiled): " + ", ".join(
+                    f"{key[:-2]} {100 * value / split['wall_s']:.0f}%" for key, value in split.items() if key != "wall_s"))
         report["workloads"][workload] = entry
     if "native" in engines:
         report["decode_floor"] = spawn(args, "floor")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from step import matmul_rate, read_bandwidth  # the floor bench/step.py holds the rollout to
+from machine import cpu_model  # bench/
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -80,8 +81,7 @@ def main() -> None:
             f"rows {row['rows']}: oneDNN {row['onednn_over_floor']:.2f}x its floor ({row['floor_ms']:.1f} ms)"
             for row in rows_out if row["threads"] == threads and "floor_ms" in row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
+    cpu = cpu_model()
     Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpu": cpu,
                                           "rounds": args.rounds, "floors": floors, "results": rows_out}, indent=1))
     print(f"wrote {args.out}")

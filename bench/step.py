@@ -15,11 +15,18 @@ train tokens/s (prompt + response tokens of the batch) and FLOP utilisation: the
 needs (6 x non-embedding params per token, causal attention, LM head at response tokens only)
 over the phase time, against the fp32 matmul rate measured in the same process.
 
+With --engines native,vllm the runs are this tree's with each rollout engine instead of before/after
+(start it with a Python that has every engine: vLLM's CPU build is in .venv-vllm), on the
+quickstart workload (configs/quickstart.yaml's one-digit sums, <= 24 new tokens) and long_tail;
+engine start-up (building the run's context, the first weight sync) is reported apart from the
+steps, and ratios are against the first engine named.
+
 With --trl-site DIR (a `pip install --target DIR --no-deps trl` next to this venv's packages), TRL's
 GRPOTrainer runs the same prompts at equal work (8 x 4, <= 64 new tokens, T = 1, beta 0, one
 optimizer step per generation batch) and reports step time, completion tokens/s and peak memory.
 
     flock /tmp/colorl-cpu.lock python bench/step.py [--repeats 2] [--steps 2] [--trl-site /tmp/trl-site]
+    .venv-vllm/bin/python bench/step.py --engines native vllm --workloads quickstart long_tail --steps 3
 """
 from __future__ import annotations
 
@@ -35,10 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # bench/
+
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "8c04575"
 SUFFIX = "Put the final answer after ####."
 WORKLOADS = {
+    "quickstart": {"rollout.max_new_tokens": 24, "task.name": "arithmetic", "task.options": {"digits": 1}},
     "two_digit": {"rollout.max_new_tokens": 64},
     "long_tail": {"rollout.max_new_tokens": 512, "rollout.length_override": {"mean": 64, "tailness": 90, "cap": 512}},
 }
@@ -53,13 +63,14 @@ def write_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def config(workload: str, prompts: Path, run_dir: Path, precision: str | None, model: str) -> dict:
+def config(workload: str, prompts: Path, run_dir: Path, precision: str | None, model: str,
+           engine: str = "native") -> dict:
     cfg = {
         "run": {"name": "bench-step", "dir": str(run_dir.parent), "seed": 0, "steps": 100, "save_every": 0,
                 "eval_every": 0},
         "model": {"path": model, "dtype": "float32"},
         "task": {"name": "jsonl", "path": str(prompts), "options": {"eval_fraction": 0.0}},
-        "rollout": {"engine": "native", "group_size": 4, "batch_groups": 8, "temperature": 1.0, "concurrency": 32},
+        "rollout": {"engine": engine, "group_size": 4, "batch_groups": 8, "temperature": 1.0, "concurrency": 32},
         "train": {"lr": 2.0e-5, "grad_clip": 1.0, "mixed_precision": precision},
         "engine": {"block_size": 16, "max_num_seqs": 32},
         "sync": {"bucket_mb": 64},
@@ -67,6 +78,8 @@ def config(workload: str, prompts: Path, run_dir: Path, precision: str | None, m
     for key, value in WORKLOADS[workload].items():
         section, name = key.split(".")
         cfg[section][name] = value
+    if cfg["task"]["name"] != "jsonl":
+        cfg["task"].pop("path")
     return cfg
 
 
@@ -167,6 +180,57 @@ class RolloutProfile:
         return row
 
 
+def holdings(engine, trainer, libraries_mb: float, activations_mb: float) -> dict:
+    """What holds the rank's memory, in MB: tensors counted by their bytes (KV pool: only the blocks
+    the engine ever handed out, the pages touched), activations and the LM head's logits chunk by
+    `colorl plan`'s arithmetic (checked against measured steps, with and without checkpointing, in
+    tests/test_plan.py), libraries as the resident memory before any model was loaded."""
+    import torch
+
+    def mb(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for p in trainer.model.parameters()]
+    out = {"libraries_mb": libraries_mb, "trainer_weights_mb": mb(params),
+           "gradients_mb": mb(p for p in params if p.requires_grad),
+           "optimizer_state_mb": mb(local(v) for state in trainer.optimizer.state.values() for v in state.values()
+                                    if torch.is_tensor(v))}
+    out["activations_mb"] = activations_mb
+    model = getattr(engine, "model", None)
+    if hasattr(model, "linears"):  # the native engine
+        from colorl.engines.native.model_runner import kv_bytes_per_block
+
+        out["engine_weights_mb"] = mb(model.parameters()) + mb(model.buffers())
+        out["engine_packed_mb"] = mb(packed for _, packed in model.linears._packed.values())
+        block = kv_bytes_per_block(engine.spec, engine.blocks.block_size, engine.dtype)
+        out["kv_touched_mb"] = engine.blocks.num_touched_blocks * block / 2**20
+        out["kv_pool_mb"] = engine.blocks.num_blocks * block / 2**20
+    return out
+
+
+def planned_activations_mb(cfg, model, groups) -> float:
+    """colorl plan's activations for the step's largest micro-batch (packed whole sequences)."""
+    from colorl.plan import DTYPE_BYTES, Architecture
+
+    lengths = sorted((len(r.prompt_ids) + len(r.output_ids) for g in groups for r in g.results), reverse=True)
+    budget, tokens = cfg.train.max_tokens_per_micro_batch, 0
+    for length in lengths:  # longest first, as colorl/train/packing.py plans them
+        if tokens and tokens + length > budget:
+            break
+        tokens += length
+    b = DTYPE_BYTES[cfg.train.mixed_precision or cfg.model.dtype]
+    arch = Architecture.from_hf_config(model.config)
+    return arch.activation_bytes(tokens, b, cfg.train.logits_chunk_tokens, cfg.model.lora is not None,
+                                 cfg.train.activation_checkpointing) / 2**20
+
+
+def rss_mb() -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
 def needed_flops(model, groups) -> float:
     """FLOPs the GRPO loss needs for one forward + backward over the batch (no padding, no prompt logits)."""
     cfg = model.config
@@ -202,15 +266,18 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     from colorl.worker import build_context, prepare_run_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
+    libraries_mb = rss_mb()  # the imports, before the probes (the heap keeps their buffers for reuse)
     rate, bandwidth = matmul_rate(), read_bandwidth()
     init_process_group(0, 1, free_port(), "cpu")
     cfg = validate(cfg_dict)
     run_dir = Path(cfg.run.dir) / cfg.run.name
     prepare_run_dir(cfg, run_dir, resume=False)
+    started = time.perf_counter()
     ctx = build_context(cfg, 0, 1, "cpu", run_dir, resume=False)
     engine, trainer = ctx.engine, ctx.trainer
     ctx.weight_sync.sync(engine, 0)
-    profile = RolloutProfile(engine, bandwidth, rate)
+    setup_s = time.perf_counter() - started  # engine start-up included, reported apart from the steps
+    profile = RolloutProfile(engine, bandwidth, rate) if hasattr(engine, "runner") else None  # the native engine's
     setup_mb = peak_mb()
     records = []
     for step in range(steps):
@@ -224,7 +291,8 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
                                 ctx.reward_fn, ctx.decode, seed, ctx.stop_ids)
         engine.sleep(cfg.engine.sleep_level)
         row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()
-        row.update(profile.take())
+        if profile is not None:
+            row.update(profile.take())
 
         reset_peak()
         started = time.perf_counter()
@@ -233,6 +301,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         stats = trainer.train_step(batch)
         trainer.offload()
         row["train_s"], row["train_peak_mb"] = time.perf_counter() - started, peak_mb()
+        row["activations_kept_mb"] = planned_activations_mb(cfg, trainer.model, groups)
 
         reset_peak()
         started = time.perf_counter()
@@ -250,9 +319,10 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         row["loss"], row["tokens_in_loss"] = stats.loss, stats.tokens
         row["needed_gflop"] = needed_flops(trainer.model, groups) / 1e9
         records.append(row)
+    held = holdings(engine, trainer, libraries_mb, max(r["activations_kept_mb"] for r in records))
     dist.destroy_process_group()
     out.write_text(json.dumps({"matmul_gflops": rate / 1e9, "read_gb_s": bandwidth / 1e9, "setup_peak_mb": setup_mb,
-                               "steps": records}))
+                               "setup_s": setup_s, "holdings": held, "steps": records}))
 
 
 # -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
@@ -334,15 +404,33 @@ def chunk_sweep(out: Path, tokens: int = 1536, hidden: int = 576, vocab: int = 4
 
 # -- the parent: interleaved runs, table, JSON -------------------------------------------------------
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    import yaml
+
+    name, _, settings = text.partition("=")
+    pairs = [item.split("=", 1) for item in settings.split(";") if item]
+    return name, {key: yaml.safe_load(value) for key, value in pairs}
+
+
 def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
+    """A worker process, with the allocator settings `colorl train` gives its CPU ranks (the heap kept:
+    its memory stays at its peak, which the process's max RSS then shows as a user would see it)."""
+    from colorl.launch import CPU_MALLOC_ENV
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), extra_path) if p),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
                TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
+    if "--worker" in argv and argv[argv.index("--worker") + 1] == "colorl":
+        env = {**CPU_MALLOC_ENV, **env}  # a user's MALLOC_* wins, as in colorl/launch.py
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)], env=env,
-                       check=True, cwd=tree, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+        argv = [sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)]
+        child = subprocess.Popen(argv, env=env, cwd=tree, stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(child.pid, 0)  # the child's own rusage: its max RSS, as `time -v` reports it
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode:
+            raise subprocess.CalledProcessError(child.returncode, argv)
+        return {**json.loads(out.read_text()), "process_max_rss_mb": usage.ru_maxrss / 1024}
 
 
 def try_spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
@@ -365,15 +453,19 @@ def summarise(run: dict) -> dict:
     timed = run["steps"][1:] or run["steps"]
     mean = lambda key: statistics.mean(r[key] for r in timed)  # noqa: E731
     row = {k: mean(k) for k in timed[0] if isinstance(timed[0][k], (int, float)) and k != "step"}
+    row["process_max_rss_mb"] = run.get("process_max_rss_mb", float("nan"))
+    row.update(run.get("holdings", {}))
     if "train_s" in row:
         row["train_tokens_per_s"] = row["train_tokens"] / row["train_s"]
         row["step_s"] = row["rollout_s"] + row["train_s"] + row["sync_s"]
         row["flop_utilisation"] = row["needed_gflop"] / row["train_s"] / run["matmul_gflops"]
         row["matmul_gflops"] = run["matmul_gflops"]
         row["setup_peak_mb"] = run["setup_peak_mb"]
+        row["setup_s"] = run.get("setup_s", float("nan"))
         row["read_gb_s"] = run["read_gb_s"]
-        row["rollout_over_floor"] = row["rollout_s"] / row["rollout_floor_s"]
-        row["rollout_over_physical_floor"] = row["rollout_s"] / row["rollout_physical_floor_s"]
+        if "rollout_floor_s" in row:
+            row["rollout_over_floor"] = row["rollout_s"] / row["rollout_floor_s"]
+            row["rollout_over_physical_floor"] = row["rollout_s"] / row["rollout_physical_floor_s"]
     row["completion_tokens_per_s"] = row["completion_tokens"] / row["step_s"]
     return row
 
@@ -383,7 +475,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is warm-up")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--before", default=BEFORE, help="git ref of the padded trainer")
+    parser.add_argument("--before", default=BEFORE, help="git ref of the padded trainer ('none': no such run)")
+    parser.add_argument("--results", default=None, help="file name under bench/results (default: step*.json)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="another run of this tree: NAME=section.key=value[;section.key=value...]")
+    parser.add_argument("--engines", nargs="+", default=None,
+                        help="compare rollout engines in this tree instead (e.g. native vllm); ratios vs the first")
     parser.add_argument("--precision", default=None, choices=["bfloat16"], help="train.mixed_precision")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model.path (tiny-random-llama: smoke test)")
     parser.add_argument("--trl-site", default=None, help="folder with TRL installed (--target); none: skip TRL")
@@ -413,13 +510,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         prompts = write_prompts(tmp / "prompts.jsonl")
-        trees = {"before": before_tree(args.before, tmp), "after": ROOT}
+        # name -> (tree, rollout engine, settings over the workload's config)
+        if args.engines:
+            trees = {engine: (ROOT, engine, {}) for engine in args.engines}
+        else:
+            trees = {} if args.before == "none" else {"before": (before_tree(args.before, tmp), "native", {})}
+            trees["after"] = (ROOT, "native", {})
+        trees.update({name: (ROOT, "native", sets) for name, sets in map(parse_variant, args.variant)})
         try:
             for repeat in range(args.repeats):
                 for workload in args.workloads:
-                    for name, tree in trees.items():
+                    for name, (tree, engine, sets) in trees.items():
                         cfg = config(workload, prompts, tmp / f"{name}-{workload}-{repeat}" / "bench-step",
-                                     args.precision, args.model)
+                                     args.precision, args.model, engine)
+                        for key, value in sets.items():
+                            section, field = key.split(".")
+                            cfg[section][field] = value
                         run = spawn(tree, ["--worker", "colorl", "--steps", str(args.steps),
                                            "--config", json.dumps(cfg)])
                         results.setdefault(workload, {}).setdefault(name, []).append(summarise(run))
@@ -431,24 +537,30 @@ def main() -> int:
                     results.setdefault("two_digit", {}).setdefault("trl", []).append(summarise(run))
                     print(f"two_digit trl repeat {repeat}: {results['two_digit']['trl'][-1]}", flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"])], cwd=ROOT, check=False)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "before": args.before,
+            if "before" in trees:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"][0])], cwd=ROOT, check=False)
+    baseline = args.engines[0] if args.engines else "before" if "before" in trees else "after"
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+              "baseline": baseline if args.engines else args.before,
               "precision": args.precision or "float32", "steps": args.steps, "repeats": args.repeats,
               "workloads": results}
-    print_table(results)
+    print_table(results, baseline)
     name = "step.json" if not args.precision else f"step_{args.precision}.json"
+    if args.engines:
+        name = f"step_engines_{'_'.join(args.engines)}.json"
+    name = args.results or name
     (ROOT / "bench" / "results" / name).write_text(json.dumps(report, indent=2))
     return 0
 
 
-def print_table(results: dict) -> None:
-    columns = [("step_s", "step s", ".1f"), ("rollout_s", "rollout s", ".1f"), ("train_s", "train s", ".1f"),
+def print_table(results: dict, baseline: str = "before") -> None:
+    columns = [("setup_s", "start-up s", ".1f"), ("step_s", "step s", ".1f"), ("rollout_s", "rollout s", ".1f"), ("train_s", "train s", ".1f"),
                ("sync_s", "sync s", ".2f"), ("completion_tokens_per_s", "compl tok/s", ".1f"),
                ("train_tokens_per_s", "train tok/s", ".0f"), ("flop_utilisation", "FLOP util", ".1%"),
                ("rollout_over_floor", "roll/floor", ".2f"),
                ("rollout_over_physical_floor", "roll/phys", ".2f"), ("rollout_peak_mb", "rollout MB", ".0f"),
                ("train_peak_mb", "train MB", ".0f"),
-               ("step_peak_mb", "peak MB", ".0f")]
+               ("step_peak_mb", "peak MB", ".0f"), ("process_max_rss_mb", "max RSS MB", ".0f")]
     for workload, runs in results.items():
         print(f"\n{workload}")
         print(f"{'':8}" + "".join(f"{title:>13}" for _, title, _ in columns))
@@ -458,15 +570,23 @@ def print_table(results: dict) -> None:
                 values = [r[key] for r in rows if key in r]
                 cells.append(f"{statistics.median(values):>13{fmt}}" if values else f"{'-':>13}")
             print(f"{name:8}" + "".join(cells))
-        base = runs.get("before")
+        parts = ("libraries_mb", "trainer_weights_mb", "gradients_mb", "optimizer_state_mb", "activations_mb",
+                 "engine_weights_mb", "engine_packed_mb", "kv_touched_mb")
+        for name, rows in runs.items():
+            if "trainer_weights_mb" in rows[0]:
+                held = {key: statistics.median(r[key] for r in rows if key in r) for key in parts if key in rows[0]}
+                print(f"  {name} holds (MB): " + ", ".join(f"{key[:-3]} {value:.0f}" for key, value in held.items())
+                      + f"; max RSS {statistics.median(r['process_max_rss_mb'] for r in rows):.0f}")
+        base = runs.get(baseline)
         if base is None:
             continue
-        for name in [n for n in runs if n != "before"]:
+        for name in [n for n in runs if n not in (baseline, "trl")]:
             ratios = {key: statistics.median(r[key] for r in base) / statistics.median(r[key] for r in runs[name])
-                      for key in ("step_s", "train_s") if key in runs[name][0]}
+                      for key in ("setup_s", "step_s", "rollout_s", "train_s") if key in runs[name][0]}
             ratios["completion_tokens_per_s"] = (statistics.median(r["completion_tokens_per_s"] for r in runs[name])
                                                  / statistics.median(r["completion_tokens_per_s"] for r in base))
-            print(f"  {name} vs before: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+            print(f"  {name} vs {baseline}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items())
+                  + "  (time ratios: baseline / this, above 1 = this is faster)")
         if "trl" in runs and "after" in runs:
             ratio = (statistics.median(r["completion_tokens_per_s"] for r in runs["after"])
                      / statistics.median(r["completion_tokens_per_s"] for r in runs["trl"]))
