@@ -187,6 +187,24 @@ def encode_chat(tokenizer, user_content: str, system_prompt: str | None = None) 
     return list(encoded["input_ids"])
 
 
+def eos_token_ids(folder: Path | None, config=None, tokenizer=None) -> frozenset[int]:
+    """The ids that end a generation: generation_config.json's eos (else the model config's, read
+    from `folder` when `config` is not given), and the tokenizer's own, when one is given."""
+    eos = None
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    if eos is None:
+        if config is None and folder is not None:
+            config = AutoConfig.from_pretrained(folder)
+        eos = getattr(config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(i for i in ids if i is not None)
+
+
 def meta_model(hf_config, dtype: torch.dtype = torch.float32):
     """The model a config describes, on the `meta` device: names, shapes and sizes, no memory."""
     with torch.device("meta"):

@@ -22,7 +22,7 @@ from colorl.evaluate import EvalResult, evaluate
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
-from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+from colorl.models import encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
@@ -262,7 +262,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     step = latest_step(run_dir) if resume else None
     if step is not None:
         state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
-    stop_ids = tuple(sorted({i for i in _eos_ids(tokenizer, model_dir) if i is not None}))
+    stop_ids = tuple(sorted(eos_token_ids(model_dir, tokenizer=tokenizer)))
     metrics = MetricsWriter.for_run(run_dir, cfg) if rank == 0 else None
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
@@ -275,13 +275,6 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
               f"resume={resume} sync={weight_sync.transport}", all_ranks=True)
     return ctx
-
-
-def _eos_ids(tokenizer, model_dir: Path) -> list[int]:
-    config = json.loads((model_dir / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos]
-    return ids + [tokenizer.eos_token_id]
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bool, device: str) -> None:

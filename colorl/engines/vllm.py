@@ -106,8 +106,7 @@ class VLLMEngine(Engine):
         from transformers import AutoConfig
         from vllm import LLM
 
-        from colorl.engines.native.engine import _eos_ids
-        from colorl.models import meta_model
+        from colorl.models import eos_token_ids, meta_model
 
         model_dir = Path(model_dir)
         self._cuda = torch.device(device).type == "cuda"
@@ -131,7 +130,7 @@ class VLLMEngine(Engine):
         # group, which the run has destroyed by then (it fails with "Invalid process group"): the
         # process's exit frees what the engine holds
         self._engine.engine_core._finalizer.detach()
-        self._eos = sorted(_eos_ids(hf_config, model_dir))
+        self._eos = sorted(eos_token_ids(model_dir, hf_config))
         # the checkpoint-format copy the buckets land in (see the module docstring)
         shapes = dict(meta_model(hf_config, dtype).named_parameters())
         files = sorted(model_dir.glob("*.safetensors"))

@@ -12,8 +12,9 @@ Around it sit the RL controls the trainer needs and a serving engine usually hid
   always sets it): that is when the CPU matmuls' packed weights are refreshed (colorl/kernels.py).
   Running sequences keep their KV across an update (PipelineRL style); the prefix cache is
   dropped so no *new* request reuses KV computed by older weights;
-- `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`),
-  `sleep(2)` also moves the weights to host memory (on CPU they already live there).
+- `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`) and the
+  packed weight copies, `sleep(2)` also moves the weights to host memory (on CPU they already
+  live there).
 
 Resumed requests: `params.max_new_tokens` bounds the whole output, carried tokens included, and
 the sampling stream continues at the carried length (same seed -> same continuation).
@@ -35,6 +36,7 @@ from colorl.engines.native.model import CausalLM, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
 from colorl.engines.native.sampler import Sampler, SampleRow
 from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
+from colorl.models import eos_token_ids
 
 RATE_WINDOW_STEPS = 64  # decode tokens/s is measured over the last this many steps
 
@@ -66,7 +68,7 @@ class NativeEngine(Engine):
         self.model.eval()
         self.model.repack()
         self.spec = self.model.spec
-        self.eos_ids = _eos_ids(config, None if model_dir is None else Path(model_dir))
+        self.eos_ids = eos_token_ids(None if model_dir is None else Path(model_dir), config)
 
         num_blocks = kv_pool_blocks(engine_cfg, self.spec, self.device, dtype)
         self.blocks = BlockManager(num_blocks, engine_cfg.block_size)
@@ -213,8 +215,12 @@ class NativeEngine(Engine):
         self.blocks.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
+        """Free the KV pool and the packed copies of the weight matrices (on CPU a second full copy
+        of them: the training phase gets that memory). Whatever packs them next (the version set
+        after a sync, or the first step after `wake`) packs them again."""
         self.scheduler.drop_all_kv()
         self.runner.free_kv()
+        self.model.linears.clear()
         if level >= 2 and self.device.type != "cpu":
             _move_parameters(self.model, torch.device("cpu"))
         self._sleep_level = max(self._sleep_level, level)
@@ -269,16 +275,3 @@ def _move_parameters(model: CausalLM, device: torch.device) -> None:
     for param in model.parameters():
         moved = param.data.to(device)
         param.data = moved.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else moved
-
-
-def _eos_ids(config, folder: Path | None) -> frozenset[int]:
-    eos = None
-    if folder is not None and (folder / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(folder).eos_token_id
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
