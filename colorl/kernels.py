@@ -18,7 +18,14 @@ strides), the op torch's own CPU inductor uses for linears.
   unpacked weight costs nothing measurable.
 
 Which dtypes oneDNN takes is asked of this machine, not assumed: one tiny product of each dtype
-(packed and plain) runs once per process (`onednn_dtypes`). torch's own bf16 checks read the CPU's
+(packed and plain) runs once per process (`onednn_dtypes`). Whether it is also the faster library
+here is measured, not read from the vendor's name: the first product of a dtype times oneDNN
+against torch's default (MKL's sgemm) at a training-size and a decode-size product, alternating,
+and keeps oneDNN only when it takes no longer over the two (`onednn_chosen`; about 0.1 s). The
+verdict is kept per machine (CPU model and flags, torch version, dtype) in
+`~/.cache/colorl/kernels.json` (`COLORL_CACHE`), so every process on the machine, and a run and
+its resume, compute with the same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
+skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it; deleting the file races again. torch's own bf16 checks read the CPU's
 flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
 holds an AVX-512 machine to the same), so a dtype that fails the probe takes torch's kernels.
 Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple silicon torch's
@@ -29,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 import types
 
 import torch
@@ -49,7 +57,7 @@ _AVAILABLE = onednn_available() and os.environ.get("COLORL_ONEDNN", "1") != "0"
 
 
 def onednn_enabled() -> bool:
-    """colorl routes some of its CPU products (at least one dtype) through oneDNN in this process."""
+    """oneDNN runs at least one dtype here (whether colorl sends it products is `onednn_chosen`)."""
     return bool(onednn_dtypes())
 
 
@@ -77,9 +85,100 @@ def onednn_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtype for dtype in _CANDIDATE_DTYPES if _product_runs(dtype))
 
 
+RACE_SHAPES = ((256, 576, 1536), (16, 576, 1536))  # (rows, in, out): a training micro-batch slice, a decode step
+RACE_ROUNDS = 5
+
+
+def _seconds(product) -> float:
+    started = time.perf_counter()
+    product()
+    return time.perf_counter() - started
+
+
+def race_onednn(dtype: torch.dtype) -> tuple[float, float]:
+    """(oneDNN seconds, torch default seconds) over RACE_SHAPES: the median of RACE_ROUNDS alternating
+    runs per shape, oneDNN over a packed weight at decode size as the engine runs it."""
+    gen = torch.Generator().manual_seed(0)
+    totals = [0.0, 0.0]
+    for rows, n_in, n_out in RACE_SHAPES:
+        x = torch.randn(rows, n_in, generator=gen).to(dtype)
+        weight = torch.randn(n_out, n_in, generator=gen).to(dtype)
+        with torch.no_grad():
+            operand = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if rows < 64 else weight
+            products = (lambda: torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], ""),
+                        lambda: F.linear(x, weight))
+            for product in products:  # warm-up
+                product()
+            times = [[], []]
+            for _ in range(RACE_ROUNDS):
+                for i, product in enumerate(products):
+                    times[i].append(_seconds(product))
+        for i in (0, 1):
+            totals[i] += sorted(times[i])[RACE_ROUNDS // 2]
+    return totals[0], totals[1]
+
+
+@functools.cache
+def onednn_chosen(dtype: torch.dtype) -> bool:
+    """colorl sends `dtype`'s CPU products to oneDNN: it runs them here and, unless COLORL_ONEDNN=1,
+    was not slower than torch's default in this process's race."""
+    if dtype not in onednn_dtypes():
+        return False
+    if os.environ.get("COLORL_ONEDNN") == "1":
+        return True
+    key = f"{_machine_key()} {dtype}"
+    verdicts = _read_verdicts()
+    if key not in verdicts:
+        onednn_s, default_s = race_onednn(dtype)
+        verdicts[key] = {"onednn": onednn_s <= default_s, "onednn_s": onednn_s, "default_s": default_s}
+        _write_verdicts(verdicts)
+    return bool(verdicts[key]["onednn"])
+
+
+def _verdicts_path():
+    from pathlib import Path
+
+    return Path(os.environ.get("COLORL_CACHE", Path.home() / ".cache" / "colorl")) / "kernels.json"
+
+
+def _machine_key() -> str:
+    import hashlib
+
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        info = platform.processor()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return f"{hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]} torch {torch.__version__}"
+
+
+def _read_verdicts() -> dict:
+    import json
+
+    try:
+        return json.loads(_verdicts_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_verdicts(verdicts: dict) -> None:
+    """Atomically, so concurrent ranks never read half a file; a cache that cannot be written is skipped."""
+    import json
+    import tempfile
+
+    path = _verdicts_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump(verdicts, handle, indent=1)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
+
+
 def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == weight.dtype and weight.dtype in onednn_dtypes())
+            and x.dtype == weight.dtype and onednn_chosen(weight.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

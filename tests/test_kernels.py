@@ -1,14 +1,17 @@
 """colorl/kernels.py: the oneDNN products equal torch's, values and gradients, and each dtype
-takes oneDNN only where this machine's oneDNN really runs it."""
+takes oneDNN only where this machine's oneDNN really runs it and was measured the faster here."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from colorl import kernels
 from colorl.kernels import PACK_ROWS_HINT, OneDNNLinear, linear, onednn_available, onednn_dtypes, onednn_enabled, use_onednn_linears
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN off (not in this torch, not x86, or COLORL_ONEDNN=0)")
@@ -82,3 +85,50 @@ def test_onednn_held_to_avx2_keeps_fp32_and_gives_bf16_to_torch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['torch.float32']", "True"]
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch, tmp_path):
+    monkeypatch.delenv("COLORL_ONEDNN", raising=False)
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path))  # no verdict kept yet
+    kernels.onednn_chosen.cache_clear()
+    yield
+    kernels.onednn_chosen.cache_clear()
+
+
+@pytest.mark.parametrize("onednn_s, default_s, chosen", [(1.0, 2.0, True), (2.0, 1.0, False)])
+def test_the_library_this_cpu_measures_faster_does_the_products(fresh_choice, monkeypatch, onednn_s, default_s, chosen):
+    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: (onednn_s, default_s))
+    assert kernels.onednn_chosen(torch.float32) is chosen
+    x, weight = torch.randn(5, 16), torch.randn(8, 16)
+    assert kernels._runs_on_onednn(x, weight) is chosen
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_the_verdict_is_kept_for_every_later_process(fresh_choice, monkeypatch, tmp_path):
+    """A run and its resume (and every rank) compute with the same library: raced once per machine."""
+    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: (2.0, 1.0))
+    assert not kernels.onednn_chosen(torch.float32)
+    kernels.onednn_chosen.cache_clear()  # as a new process would start
+
+    def no_race(dtype):
+        raise AssertionError("raced again")
+
+    monkeypatch.setattr(kernels, "race_onednn", no_race)
+    assert not kernels.onednn_chosen(torch.float32)
+    (verdict,) = json.loads((tmp_path / "kernels.json").read_text()).values()
+    assert verdict == {"onednn": False, "onednn_s": 2.0, "default_s": 1.0}
+
+
+def test_colorl_onednn_1_takes_onednn_without_a_race(fresh_choice, monkeypatch):
+    def no_race(dtype):
+        raise AssertionError("raced")
+
+    monkeypatch.setenv("COLORL_ONEDNN", "1")
+    monkeypatch.setattr(kernels, "race_onednn", no_race)
+    assert kernels.onednn_chosen(torch.float32)
+
+
+def test_the_race_times_both_libraries_at_both_shapes():
+    onednn_s, default_s = kernels.race_onednn(torch.float32)
+    assert 0 < onednn_s < 5 and 0 < default_s < 5
