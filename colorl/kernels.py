@@ -121,7 +121,7 @@ def race_onednn(dtype: torch.dtype) -> tuple[float, float]:
 @functools.cache
 def onednn_chosen(dtype: torch.dtype) -> bool:
     """colorl sends `dtype`'s CPU products to oneDNN: it runs them here and, unless COLORL_ONEDNN=1,
-    was not slower than torch's default in this process's race."""
+    was not slower than torch's default in this machine's race (raced once, kept in kernels.json)."""
     if dtype not in onednn_dtypes():
         return False
     if os.environ.get("COLORL_ONEDNN") == "1":

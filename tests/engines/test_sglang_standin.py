@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pickle
 import sys
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
@@ -173,7 +173,7 @@ def test_tensors_pass_sglangs_serialisation_and_its_unpicklers_allow_list(engine
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
         serializer.deserialize(serializer.serialize([("model.norm.weight", torch.ones(4).as_subclass(Subclassed))]))
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
-        serializer.deserialize(pickle.dumps(os.system))
+        serializer.deserialize(ForkingPickler.dumps(os.system))  # a payload that would run a command
     fake(engine).begin_weight_update()
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
         fake(engine).update_weights_from_tensor([("model.norm.weight", torch.ones(64).as_subclass(Subclassed))])
