@@ -25,8 +25,8 @@ and keeps oneDNN only when it takes no longer over the two (`onednn_chosen`; abo
 verdict is kept per machine (CPU model and flags, torch version, dtype) in
 `~/.cache/colorl/kernels.json` (`COLORL_CACHE`), so every process on the machine, and a run and
 its resume, compute with the same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
-skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it; deleting the file races again. torch's own bf16 checks read the CPU's
-flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
+skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it; deleting the file races again.
+torch's own bf16 checks read the CPU's flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
 holds an AVX-512 machine to the same), so a dtype that fails the probe takes torch's kernels.
 Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple silicon torch's
 own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / torch's matmuls.
@@ -136,9 +136,9 @@ def onednn_chosen(dtype: torch.dtype) -> bool:
 
 
 def _verdicts_path():
-    from pathlib import Path
+    from colorl.models import cache_root
 
-    return Path(os.environ.get("COLORL_CACHE", Path.home() / ".cache" / "colorl")) / "kernels.json"
+    return cache_root() / "kernels.json"
 
 
 def _machine_key() -> str:
@@ -164,14 +164,13 @@ def _read_verdicts() -> dict:
 def _write_verdicts(verdicts: dict) -> None:
     """Atomically, so concurrent ranks never read half a file; a cache that cannot be written is skipped."""
     import json
-    import tempfile
+
+    from colorl.files import write_atomic
 
     path = _verdicts_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            json.dump(verdicts, handle, indent=1)
-        os.replace(handle.name, path)
+        write_atomic(path, json.dumps(verdicts, indent=1))
     except OSError:
         pass
 

@@ -19,6 +19,7 @@ from colorl.config import Config, dump_config
 from colorl.engines import build_engine
 from colorl.engines.base import Engine
 from colorl.evaluate import EvalResult, evaluate
+from colorl.files import write_atomic
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
@@ -227,9 +228,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     # config.yaml is the config of the run's steps (export reads it); a resume records its own next to it
     name = f"config.resume-{int(time.time())}.yaml" if resume else "config.yaml"
-    tmp = run_dir / f".{name}.tmp"
-    tmp.write_text(dump_config(cfg))
-    os.replace(tmp, run_dir / name)
+    write_atomic(run_dir / name, dump_config(cfg))
 
 
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:

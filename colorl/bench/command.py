@@ -24,6 +24,7 @@ from pathlib import Path
 
 from colorl.bench.variants import SHORT_KEYS, Variant, VariantError, parse_modes
 from colorl.exits import EXIT_RUN_FAILED, fail
+from colorl.files import write_atomic
 
 MODES_HELP = ("variants, comma-separated: MODE[:key=value,...], e.g. "
               "colocated,bounded_lag:eta=1,bounded_lag:eta=2,buffer=queue_drop; keys: "
@@ -148,7 +149,7 @@ def _finish(bench: dict, out: Path, console) -> None:
             variant["figures"]["speedup"] = speedup
     report.write_json(bench, out)
     charts = plots.draw_all(bench, out)
-    report.write_atomic(out / "bench.md", report.markdown(bench, charts))
+    write_atomic(out / "bench.md", report.markdown(bench, charts))
     report.print_tables(bench, console)
 
 

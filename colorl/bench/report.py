@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from colorl.files import write_atomic
 
 TRAINED_DEFINITION = ("trained tok/s = response tokens trained per wall-clock second of a step "
                       "(trained tokens / time_step_s), median over the steps after the warm-up; "
@@ -52,12 +53,6 @@ def cell(column: Column, figures: dict | None) -> str:
 def _rows(variants: list[dict], columns: tuple[Column, ...]) -> list[list[str]]:
     return [[v["spec"], "ok" if v["status"] == "ok" else v["status"].upper()]
             + [cell(c, v.get("figures")) for c in columns] for v in variants]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_json(bench: dict, out: Path) -> None:

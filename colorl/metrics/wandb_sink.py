@@ -5,12 +5,13 @@ installed, `init`, `log` or `finish` raising) is one warning line, and the sink 
 """
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from colorl.files import write_atomic
 
 if TYPE_CHECKING:
     from colorl.config import Config, WandbConfig
@@ -122,9 +123,7 @@ def stored_run_id(run_dir: Path) -> str:
             return stored
     run_id = uuid.uuid4().hex[:12]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(run_id + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, run_id + "\n")
     return run_id
 
 

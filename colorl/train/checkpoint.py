@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from colorl import faults
+from colorl.files import write_atomic
 
 MANIFEST = "manifest.json"
 
@@ -271,9 +272,7 @@ def drop_older_optimizer_states(run_dir: Path) -> list[int]:
         if manifest_path.exists():
             manifest = json.loads(manifest_path.read_text())
             kept = {name: entry for name, entry in manifest.items() if not name.startswith("optim/")}
-            tmp = manifest_path.with_name(MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(kept, indent=1))
-            tmp.replace(manifest_path)
+            write_atomic(manifest_path, json.dumps(kept, indent=1))
         shutil.rmtree(folder / "optim")
         dropped.append(step)
     return dropped
