@@ -43,11 +43,12 @@ quickstart: setup
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
-# the kernel, engine and training tests with oneDNN held to AVX2 (torch's bundled oneDNN honours it): an
-# AVX-512 machine then runs what an AVX2-only CPU would, bf16 fall-backs included
+# the kernel, engine and training tests with oneDNN held to AVX2 (torch's bundled oneDNN honours it) and the
+# native engine's compiled decode loops built for AVX2 (x86-64-v3): an AVX-512 machine then runs what an
+# AVX2-only CPU would, bf16 fall-backs included
 AVX2_TESTS := tests/test_kernels.py tests/engines tests/train tests/test_train_e2e.py tests/cli/test_dry_run.py
 test-avx2: $(DEV_STAMP)
-	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q $(AVX2_TESTS)
+	ONEDNN_MAX_CPU_ISA=AVX2 COLORL_CPU_DECODE_ARCH=x86-64-v3 $(BIN)/python -m pytest -q $(AVX2_TESTS)
 
 test-all: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"

@@ -204,7 +204,8 @@ def holdings(engine, trainer, libraries_mb: float, activations_mb: float) -> dic
         from colorl.engines.native.model_runner import kv_bytes_per_block
 
         out["engine_weights_mb"] = mb(model.parameters()) + mb(model.buffers())
-        out["engine_packed_mb"] = mb(packed for _, packed in model.linears._packed.values())
+        packed_linears = getattr(model.linears, "packed", model.linears)  # a tree before cpu_decode: the same object
+        out["engine_packed_mb"] = mb(packed for _, packed in packed_linears._packed.values())
         block = kv_bytes_per_block(engine.spec, engine.blocks.block_size, engine.dtype)
         out["kv_touched_mb"] = engine.blocks.num_touched_blocks * block / 2**20
         out["kv_pool_mb"] = engine.blocks.num_blocks * block / 2**20

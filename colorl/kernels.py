@@ -126,13 +126,23 @@ def onednn_chosen(dtype: torch.dtype) -> bool:
         return False
     if os.environ.get("COLORL_ONEDNN") == "1":
         return True
-    key = f"{_machine_key()} {dtype}"
+
+    def measure() -> dict:
+        onednn_s, default_s = race_onednn(dtype)
+        return {"onednn": onednn_s <= default_s, "onednn_s": onednn_s, "default_s": default_s}
+
+    return bool(measured_verdict(str(dtype), measure)["onednn"])
+
+
+def measured_verdict(name: str, measure) -> dict:
+    """What `measure()` found on this machine (CPU model and flags, torch), measured once and kept in
+    kernels.json: every process here, and a run and its resume, decide the same way."""
+    key = f"{machine_key()} {name}"
     verdicts = _read_verdicts()
     if key not in verdicts:
-        onednn_s, default_s = race_onednn(dtype)
-        verdicts[key] = {"onednn": onednn_s <= default_s, "onednn_s": onednn_s, "default_s": default_s}
+        verdicts[key] = measure()
         _write_verdicts(verdicts)
-    return bool(verdicts[key]["onednn"])
+    return verdicts[key]
 
 
 def _verdicts_path():
@@ -141,7 +151,8 @@ def _verdicts_path():
     return cache_root() / "kernels.json"
 
 
-def _machine_key() -> str:
+def machine_key() -> str:
+    """This CPU (model and flags) and torch: what a measured or compiled kernel holds for."""
     import hashlib
 
     try:

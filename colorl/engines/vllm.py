@@ -100,7 +100,10 @@ class VLLMEngine(Engine):
 
     keeps_kv_across_updates = True
 
-    def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 compile_on_cpu: bool = False):
+        """compile_on_cpu: vLLM's default CPU set-up (torch.compile, ~90 s of warm-up) instead of eager mode:
+        what a user running vLLM's CPU build on its own gets (bench/engine.py --vllm-compiled)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         from safetensors.torch import load_file
         from transformers import AutoConfig
@@ -121,7 +124,7 @@ class VLLMEngine(Engine):
         if self._cuda:
             options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True)
         else:
-            options.update(enforce_eager=True, kv_cache_memory_bytes=(
+            options.update(enforce_eager=not compile_on_cpu, kv_cache_memory_bytes=(
                 engine_cfg.num_blocks * CPU_KV_BYTES_PER_BLOCK if engine_cfg.num_blocks else CPU_KV_DEFAULT_BYTES))
         self._llm = LLM(**options)
         self._engine = self._llm.llm_engine

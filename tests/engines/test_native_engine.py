@@ -204,7 +204,7 @@ def test_sleep_wake_round_trip_preserves_outputs(model_dir, level):
     drain(eng, n_steps=4)  # asleep mid-flight: sequences are re-prefilled after wake
     eng.sleep(level)
     assert eng.stats().kv_blocks_used == 0 and eng.runner.kv_cache is None
-    assert not eng.model.linears._packed  # the packed weight copies are the training phase's too
+    assert not eng.model.linears.packed._packed  # the packed weight copies are the training phase's too
     with pytest.raises(RuntimeError):
         eng.step()
     eng.wake()

@@ -95,18 +95,20 @@ def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
     if not onednn_enabled():
         pytest.skip("oneDNN off: the engine uses F.linear")
     eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
-    assert eng.model.linears.enabled and eng.model.linears._packed  # packed at load
+    eng.model.use_compiled = False  # its rows kernel reads the plain weights (tests/engines/test_cpu_decode.py)
+    packed_linears = eng.model.linears.packed
+    assert packed_linears.enabled and packed_linears._packed  # packed at load
     model = eng.model
     used = [p for layer in model.layers for p in layer.parameters() if p.dim() == 2]
     used.append(model.embed if model.lm_head is None else model.lm_head)
-    assert set(model.linears._packed) == {id(p) for p in used}  # an untied embedding is never packed
+    assert set(packed_linears._packed) == {id(p) for p in used}  # an untied embedding is never packed
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     packed = eng.generate([GenerationRequest("a", PROMPTS[0], params)])[0]
-    eng.model.linears.enabled = False
+    packed_linears.enabled = False
     plain = eng.generate([GenerationRequest("b", PROMPTS[0], params)])[0]
     assert packed.output_ids == plain.output_ids
     assert max(abs(a - b) for a, b in zip(packed.logprobs, plain.logprobs)) < 1e-4
-    eng.model.linears.enabled = True
+    packed_linears.enabled = True
     with torch.no_grad():
         eng.named_weights()["model.layers.0.mlp.down_proj.weight"].mul_(-4.0)
     stale = eng.generate([GenerationRequest("c", PROMPTS[0], params)])[0]
@@ -114,7 +116,7 @@ def test_cpu_matmuls_run_on_packed_weights_refreshed_by_the_version(family_dir):
     assert gap(stale, packed) < 1e-4  # not yet: the writer has not set the version
     eng.version += 1
     fresh = eng.generate([GenerationRequest("d", PROMPTS[0], params)])[0]
-    eng.model.linears.enabled = False
+    packed_linears.enabled = False
     expected = eng.generate([GenerationRequest("e", PROMPTS[0], params)])[0]
     assert fresh.output_ids == expected.output_ids and gap(fresh, expected) < 1e-4
     assert gap(fresh, packed) > 1e-2  # the write changed the model, and the packed copies followed

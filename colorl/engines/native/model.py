@@ -10,6 +10,11 @@ dict loads without conversion. Layout choices, invisible from outside:
   of these matrices (`colorl/kernels.py`); `repack` refreshes them after the weights change.
 - tokens of one step are flattened across sequences ([T, ...]): every projection runs once over
   all of them; only attention is per group of sequences (see `AttentionGroup`).
+- float32 on CPU, the decode step's loops run compiled for this machine where it has a C compiler
+  (`cpu_decode.py`): products over a few rows, RoPE with the KV write, the residual add fused with
+  the next RMSNorm, SiLU-gating, and attention read straight from the block table. The torch
+  operators below are the same maths for every other case (and the reference the tests hold the
+  compiled loops to).
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colorl.kernels import PackedLinears
+from colorl.engines.native import cpu_decode
+from colorl.engines.native.cpu_decode import CpuDecode
 from colorl.engines.weights import copy_rows
+from colorl.kernels import PackedLinears
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -88,10 +95,11 @@ class ModelSpec:
 
 @dataclass
 class AttentionGroup:
-    """Sequences whose attention runs as one padded SDPA call.
+    """Sequences whose attention runs as one call.
 
-    The group's query tokens are rows [start, end) of the step's flattened tokens. Queries are
-    padded to [batch, q_len] and keys/values gathered from the cache to [batch, kv_len].
+    The group's query tokens are rows [start, end) of the step's flattened tokens. Either padded
+    SDPA (queries padded to [batch, q_len], keys/values gathered from the cache to [batch, kv_len]),
+    or, for one-token decodes with the compiled loops, attention over each sequence's own blocks.
     """
 
     start: int
@@ -99,9 +107,12 @@ class AttentionGroup:
     batch: int
     q_len: int
     kv_len: int
-    q_pad_index: torch.Tensor | None  # [end - start] rows of the padded [batch * q_len] layout; None if q_len == 1
-    kv_slots: torch.Tensor  # [batch * kv_len] cache slots (padding points at slot 0 and is masked)
-    mask: torch.Tensor  # [batch, 1, q_len, kv_len] bool, True = attend
+    q_pad_index: torch.Tensor | None = None  # [end - start] rows of the padded [batch * q_len] layout; None if q_len == 1
+    kv_slots: torch.Tensor | None = None  # [batch * kv_len] cache slots (padding points at slot 0 and is masked)
+    mask: torch.Tensor | None = None  # [batch, 1, q_len, kv_len] bool, True = attend
+    block_tables: torch.Tensor | None = None  # compiled decode: [batch, blocks] block ids
+    lengths: torch.Tensor | None = None  # compiled decode: [batch] context tokens
+    block_size: int = 0
 
 
 @dataclass
@@ -128,6 +139,16 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None,
+                    compiled: CpuDecode | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)) for the residual stream x [T, hidden]; compiled, x is
+        updated in place (the stream is the forward's own tensor)."""
+        if compiled is not None:
+            return x, compiled.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x = x + delta
+        return x, self(x)
 
 
 class Rotary(nn.Module):
@@ -164,9 +185,12 @@ class Rotary(nn.Module):
         self.sin = emb.sin() * self.scaling
 
     def forward(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cover(max_position)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, D] each
+
+    def cover(self, max_position: int) -> None:
         if max_position >= self.cos.shape[0]:
             self.build(max(2 * self.cos.shape[0], max_position + 1))
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, D] each
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,8 +218,24 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
     return out if group.q_pad_index is None else out.index_select(0, group.q_pad_index)
 
 
+class Products:
+    """Where the engine's matrix products run: the compiled rows kernel for a decode step's few rows
+    (at the row counts where it beat the alternative in this machine's race), oneDNN over packed
+    weights otherwise (`PackedLinears`, refreshed on every weight version)."""
+
+    def __init__(self) -> None:
+        self.packed = PackedLinears()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               compiled: CpuDecode | None = None) -> torch.Tensor:
+        """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
+        if compiled is not None and x.shape[0] in compiled.rows_won and x.is_contiguous():
+            return compiled.linear(x, weight, bias)
+        return self.packed.linear(x, weight, bias)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
+    def __init__(self, spec: ModelSpec, linears: Products) -> None:
         super().__init__()
         self.spec = spec
         self.linears = linears
@@ -209,25 +249,33 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                step: StepInputs) -> torch.Tensor:
+                step: StepInputs, compiled: CpuDecode | None) -> torch.Tensor:
+        """cos/sin: per token [T, 1, D]; compiled: the tables [P, D], indexed by step.positions."""
         s = self.spec
         tokens = x.shape[0]
-        q, k, v = self.linears.linear(x, self.w_qkv, self.b_qkv).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(tokens, s.num_heads, s.head_dim)  # [T, H, D]
-        k = k.view(tokens, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        v = v.view(tokens, s.num_kv_heads, s.head_dim)
+        qkv = self.linears.linear(x, self.w_qkv, self.b_qkv, compiled)  # [T, q | k | v]
+        q = qkv[:, :s.q_size].view(tokens, s.num_heads, s.head_dim)  # [T, H, D]
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(tokens, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        v = qkv[:, s.q_size + s.kv_size:].view(tokens, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         # Every new K/V of the step is written before any group reads: a group may read blocks
         # another sequence of the same step fills (prefix sharing within one step).
-        cache.index_copy_(0, step.slot_mapping, torch.stack((k, v), dim=1))
-        out = torch.cat([paged_attention(q[g.start:g.end], cache, g, self.scale) for g in step.groups])
-        return self.linears.linear(out, self.w_o, self.b_o)
+        if compiled is not None:
+            compiled.rope_write_kv(qkv, s.num_heads, s.num_kv_heads, s.head_dim, cos, sin, step.positions,
+                                   step.slot_mapping, cache)
+        else:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            cache.index_copy_(0, step.slot_mapping, torch.stack((k, v), dim=1))
+        outs = [compiled.paged_decode(q[g.start:g.end], cache, g.block_tables, g.lengths, g.block_size, self.scale)
+                if g.block_tables is not None else paged_attention(q[g.start:g.end], cache, g, self.scale)
+                for g in step.groups]
+        return self.linears.linear(outs[0] if len(outs) == 1 else torch.cat(outs), self.w_o, self.b_o, compiled)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
+    def __init__(self, spec: ModelSpec, linears: Products) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
@@ -238,45 +286,69 @@ class MLP(nn.Module):
         self.w_down = nn.Parameter(torch.empty(spec.hidden_size, inter))
         self.b_down = nn.Parameter(torch.zeros(spec.hidden_size)) if spec.mlp_bias else None
         self.act = ACT2FN[spec.hidden_act]
+        self.silu = spec.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linears.linear(x, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return self.linears.linear(self.act(gate) * up, self.w_down, self.b_down)
+    def forward(self, x: torch.Tensor, compiled: CpuDecode | None) -> torch.Tensor:
+        gate_up = self.linears.linear(x, self.w_gate_up, self.b_gate_up, compiled)  # [T, 2I]
+        if compiled is not None and self.silu:
+            hidden = compiled.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        return self.linears.linear(hidden, self.w_down, self.b_down, compiled)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, linears: PackedLinears) -> None:
+    def __init__(self, spec: ModelSpec, linears: Products) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, linears)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, linears)
 
-    def forward(self, x, cos, sin, cache, step):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, cache, step, compiled):
+        """x: the residual stream before `delta` (the previous layer's MLP output, None for the first
+        layer) is added: the add runs fused with this layer's first norm. Returns (stream, MLP output)."""
+        x, h = self.input_layernorm.add_forward(x, delta, compiled)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, cache, step, compiled), compiled)
+        return x, self.mlp(h, compiled)
 
 
 class CausalLM(nn.Module):
     def __init__(self, config, spec: ModelSpec | None = None) -> None:
         super().__init__()
         self.spec = spec = spec or ModelSpec.from_hf_config(config)
-        self.linears = PackedLinears()
+        self.linears = Products()
         self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))  # [V, hidden]
         self.layers = nn.ModuleList(DecoderLayer(spec, self.linears) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size))
         self.rotary = Rotary(config, spec)
+        self.use_compiled = True  # False: torch's operators only (the reference the tests compare with)
+
+    def compiled(self, dtype: torch.dtype, device: torch.device) -> CpuDecode | None:
+        """The compiled decode loops when they serve this step: float32 on a CPU that could build them."""
+        if self.use_compiled and dtype == torch.float32 and device.type == "cpu":
+            return cpu_decode.load()
+        return None
 
     def forward(self, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [layers, slots, 2, Hkv, D]. Returns float32 logits [N, V] for step.logit_rows."""
         x = self.embed.index_select(0, step.input_ids)  # [T, hidden]
-        cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        compiled = self.compiled(x.dtype, x.device)
+        if compiled is not None:
+            self.rotary.cover(step.max_position)
+            cos, sin = self.rotary.cos, self.rotary.sin  # [P, D] tables
+        else:
+            cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
+            cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        delta = None
         for layer, cache in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, cache, step)
-        x = self.norm(x.index_select(0, step.logit_rows))  # [N, hidden]
-        return self.linears.linear(x, self._head(), None).float()  # [N, V]
+            x, delta = layer(x, delta, cos, sin, cache, step, compiled)
+        rows = step.logit_rows
+        _, x = self.norm.add_forward(x.index_select(0, rows), None if delta is None else delta.index_select(0, rows),
+                                     compiled)  # [N, hidden]
+        return self.linears.linear(x, self._head(), None, compiled).float()  # [N, V]
 
     def _head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
@@ -285,7 +357,7 @@ class CausalLM(nn.Module):
         """Refresh the packed matmul weights: call after writing into `hf_weights()` in place.
         Only the matrices products use: an untied embedding is only looked up, never packed."""
         products = [p for layer in self.layers for p in layer.parameters() if p.dim() == 2]
-        self.linears.repack(products + [self._head()])
+        self.linears.packed.repack(products + [self._head()])
 
     # ------------------------------------------------------------ HF names
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -340,7 +412,7 @@ class CausalLM(nn.Module):
         missing = targets.keys() - seen
         if strict and missing:
             raise KeyError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
-        self.linears.clear()  # packed again by `repack` (the engine's version setter) or on first use
+        self.linears.packed.clear()  # packed again by `repack` (the engine's version setter) or on first use
 
 
 def _ignorable(name: str, spec: ModelSpec) -> bool:

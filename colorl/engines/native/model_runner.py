@@ -4,10 +4,12 @@ The runner owns the KV pool tensor ([layers, num_blocks * block_size, 2, Hkv, D]
 block * block_size + offset) and knows nothing about policies: the scheduler decided who runs,
 the sampler decides what is drawn.
 
-Attention groups: all decode sequences of a step (one query token each) run as padded SDPA
-calls over their gathered context; sorted by context length and split into a few buckets when
-one long context would make the others pad too much (`bucket_by_length`). Prefill chunks form
-one more group with padded queries and a causal mask offset by what is already cached.
+Attention groups: with the compiled decode loops (float32 on CPU, `cpu_decode.py`) all decode
+sequences of a step form one group that reads each sequence's own blocks, unpadded. Otherwise
+they run as padded SDPA calls over their gathered context, sorted by context length and split
+into a few buckets when one long context would make the others pad too much
+(`bucket_by_length`). Prefill chunks form one more group with padded queries and a causal mask
+offset by what is already cached.
 """
 from __future__ import annotations
 
@@ -120,9 +122,14 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         decodes = sorted((i for i in range(len(batch)) if batch.num_tokens[i] == 1), key=lambda i: batch.starts[i])
         prefills = [i for i in range(len(batch)) if batch.num_tokens[i] > 1]
+        compiled = self.model.compiled(self.dtype, self.device) is not None
         groups_of_items: list[list[int]] = []
         start = 0
-        for end in bucket_by_length([batch.starts[i] + 1 for i in decodes]):
+        if compiled:  # one group: the compiled attention reads each sequence's blocks, unpadded
+            ends = [len(decodes)] if decodes else []
+        else:
+            ends = bucket_by_length([batch.starts[i] + 1 for i in decodes])
+        for end in ends:
             groups_of_items.append(decodes[start:end])
             start = end
         if prefills:
@@ -146,7 +153,10 @@ class ModelRunner:
                 if batch.sample[i]:
                     logit_rows.append(len(input_ids) - 1)
                     sampling.append(i)
-            groups.append(self._group(batch, items, group_start, len(input_ids)))
+            if compiled and items is not prefills:
+                groups.append(self._decode_group(batch, items, group_start, len(input_ids)))
+            else:
+                groups.append(self._group(batch, items, group_start, len(input_ids)))
 
         step = StepInputs(
             input_ids=self._tensor(input_ids),
@@ -157,6 +167,17 @@ class ModelRunner:
             max_position=max(positions),
         )
         return step, sampling
+
+    def _decode_group(self, batch: ScheduledBatch, items: list[int], start: int, end: int) -> AttentionGroup:
+        """One-token decodes for the compiled attention: each sequence's block table and length, unpadded."""
+        lengths = [batch.starts[i] + 1 for i in items]
+        width = -(-max(lengths) // self.block_size)
+        tables = [batch.seqs[i].block_table[:width] for i in items]
+        return AttentionGroup(
+            start=start, end=end, batch=len(items), q_len=1, kv_len=max(lengths), block_size=self.block_size,
+            block_tables=self._tensor([table + [0] * (width - len(table)) for table in tables]),
+            lengths=self._tensor(lengths),
+        )
 
     def _group(self, batch: ScheduledBatch, items: list[int], start: int, end: int) -> AttentionGroup:
         size = self.block_size

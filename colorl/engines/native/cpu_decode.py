@@ -1,0 +1,213 @@
+"""The decode step's loops compiled for this CPU (cpu_decode.c): products over a few rows, paged
+attention over the block table, RoPE with the KV write, residual add with RMSNorm, SiLU-gating.
+
+Why: a decode step over 1-8 sequences is a string of matrix-vector products bound by memory
+bandwidth, and the libraries torch ships read the weights at about half the bandwidth one core
+reaches (oneDNN 15 GB/s, MKL 11 GB/s, against 25 GB/s for one sequential stream on the
+project's Zen 4; `python bench/engine.py --kernels`). Around the products, the same step costs
+about 40 torch operators per layer (norms, RoPE, the padded gather of every sequence's context
+for SDPA, its mask): each is a dispatch of microseconds that does nanoseconds of work.
+
+How it is built: on first use, with the machine's C compiler (`CC`, else `cc`), `-O3
+-march=native -fopenmp` (`COLORL_CPU_DECODE_ARCH` overrides the -march), into `colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers
+the source, the flags, the compiler and the CPU), atomically so concurrent ranks never load half
+a file; well under a second. It is loaded after torch, so its OpenMP calls join torch's own
+runtime and thread team (no second pool of spinning threads). No compiler, a failed build, a
+non-x86/ARM machine or `COLORL_CPU_DECODE=0`: `load()` returns None and the engine runs torch's
+operators, with the same results to float32 rounding (tests/engines/test_cpu_decode.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, oneDNN's ground
+RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
+RACE_ROUNDS = 3
+
+_p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
+    "colorl_add_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
+    "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
+    "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
+    "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int], None),
+}
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _timed(kind: str):
+    """Adds the call's seconds to `self.seconds[kind]` while a bench collects them (torch's profiler
+    does not see these calls)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args):
+            if self.seconds is None:
+                return method(self, *args)
+            started = time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
+        return timed
+    return wrap
+
+
+class CpuDecode:
+    """The compiled library, called on contiguous float32 CPU tensors (the caller checks)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        self.seconds: dict[str, float] | None = None  # by kind of work, while a bench sets it to {}
+        for name, (args, result) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = args, result
+
+    @functools.cached_property
+    def rows_won(self) -> frozenset[int]:
+        """Row counts at which `linear` beats the engine's other products (oneDNN over packed weights,
+        where chosen) on this machine at this thread count: raced once, kept in kernels.json."""
+        from colorl.kernels import measured_verdict
+
+        threads = torch.get_num_threads()
+        verdict = measured_verdict(f"cpu_decode rows at {threads} threads {_flags()[0]}", lambda: race_rows(self))
+        return frozenset(verdict["rows"])
+
+    @_timed("products")
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [B <= MAX_ROWS, in] @ weight [out, in].T (+ bias): [B, out]."""
+        rows, n_in = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        code = self._lib.colorl_linear(_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows, weight.shape[0], n_in,
+                                       torch.get_num_threads())
+        if code:
+            raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {rows}")
+        return out
+
+    @_timed("elementwise")
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += add (in place, when given); returns RMSNorm(x) * weight. x, add: [T, C]."""
+        out = torch.empty_like(x)
+        self._lib.colorl_add_rms_norm(_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps)
+        return out
+
+    @_timed("elementwise")
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
+        tokens, width = gate_up.shape
+        out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
+        self._lib.colorl_silu_mul(_ptr(gate_up), _ptr(out), tokens, width // 2)
+        return out
+
+    @_timed("kv_writes")
+    def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place; write k, v to cache [slots, 2, Hkv, D]."""
+        self._lib.colorl_rope_write_kv(_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
+                                       _ptr(positions), _ptr(slots), _ptr(cache))
+
+    @_timed("attention")
+    def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                     block_size: int, scale: float) -> torch.Tensor:
+        """q: [S, H, D], one token per sequence (rows may be strided: q/k/v rows); tables: [S, width]
+        block ids; lengths: [S]; cache: [slots, 2, Hkv, D]. Returns [S, H * D]."""
+        seqs, heads, dim = q.shape
+        assert q.stride(1) == dim and q.stride(2) == 1, "each query's heads must be contiguous"
+        out = torch.empty(seqs, heads * dim, dtype=q.dtype)
+        self._lib.colorl_paged_decode(_ptr(q), q.stride(0), _ptr(cache), _ptr(tables), tables.shape[1], _ptr(lengths),
+                                      _ptr(out), seqs, heads, cache.shape[2], dim, block_size, scale,
+                                      torch.get_num_threads())
+        return out
+
+
+def race_rows(compiled: CpuDecode) -> dict:
+    """For 1..MAX_ROWS rows: the median of RACE_ROUNDS alternating runs of each kernel over weights
+    that do not fit in cache, as a decode step streams them."""
+    from colorl.kernels import PackedLinears
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=gen) for _ in range(RACE_MATRICES)]
+    packed = PackedLinears()
+    packed.repack(weights)
+    won, seconds = [], {}
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, 576, generator=gen)
+        products = (lambda: [compiled.linear(x, w, None) for w in weights],
+                    lambda: [packed.linear(x, w, None) for w in weights])
+        times: list[list[float]] = [[], []]
+        for product in products:  # warm-up
+            product()
+        for _ in range(RACE_ROUNDS):
+            for i, product in enumerate(products):
+                started = time.perf_counter()
+                product()
+                times[i].append(time.perf_counter() - started)
+        compiled_s, other_s = (sorted(t)[RACE_ROUNDS // 2] for t in times)
+        seconds[rows] = [compiled_s, other_s]
+        if compiled_s < other_s:
+            won.append(rows)
+    return {"rows": won, "seconds": seconds}
+
+
+@functools.cache
+def load() -> CpuDecode | None:
+    """The library for this machine, built on first use; None where it cannot be (see the module doc)."""
+    if os.environ.get("COLORL_CPU_DECODE", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    try:
+        return CpuDecode(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        return None
+
+
+def _compiler() -> list[str] | None:
+    command = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    if not command or shutil.which(command[0]) is None:
+        command = ["cc"]
+    return command if shutil.which(command[0]) else None
+
+
+def _flags() -> tuple[str, ...]:
+    """For this CPU; `COLORL_CPU_DECODE_ARCH` (a -march value, e.g. x86-64-v3 for AVX2) builds for an
+    older one: `make test-avx2` runs the loops as an AVX2-only machine would."""
+    return (f"-march={os.environ.get('COLORL_CPU_DECODE_ARCH') or 'native'}", *FLAGS)
+
+
+def _build(compiler: list[str]) -> Path:
+    from colorl.kernels import machine_key
+    from colorl.models import cache_root
+
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = _flags()
+    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), " ".join(compiler), version,
+                                     machine_key()]).encode()).hexdigest()[:16]
+    library = cache_root() / "cpu_decode" / f"{digest}.so"
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_name(f"{digest}.{os.getpid()}.so")
+    subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
+                   timeout=120)
+    os.replace(partial, library)  # atomic: a concurrent rank sees no file or the whole one
+    return library

@@ -1,0 +1,148 @@
+"""The compiled decode loops (colorl/engines/native/cpu_decode.c) against torch's operators, which the
+native model runs wherever the loops are not built."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colorl.config import EngineConfig
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.engines.native import NativeEngine, cpu_decode
+from colorl.engines.native.model import AttentionGroup, _rotate, paged_attention
+
+HAS_COMPILER = shutil.which("cc") is not None or shutil.which(os.environ.get("CC", "gcc")) is not None
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    library = cpu_decode.load()
+    if library is None:
+        assert not HAS_COMPILER, "a C compiler is here, yet the decode loops did not build"
+        pytest.skip("no C compiler: the native engine runs torch's operators")
+    return library
+
+
+@pytest.mark.parametrize("rows", range(1, cpu_decode.MAX_ROWS + 1))
+def test_rows_kernel_equals_f_linear(compiled, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 83, generator=gen), torch.randn(200, 83, generator=gen), torch.randn(200, generator=gen)
+    torch.testing.assert_close(compiled.linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(compiled.linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(compiled.linear(x, weight[:7], None), F.linear(x, weight[:7]), atol=1e-4, rtol=1e-5)
+
+
+def test_rows_kernel_refuses_more_rows_than_it_has(compiled):
+    with pytest.raises(ValueError, match="rows"):
+        compiled.linear(torch.randn(cpu_decode.MAX_ROWS + 1, 8), torch.randn(4, 8), None)
+
+
+def test_add_rms_norm_updates_the_stream_in_place(compiled):
+    gen = torch.Generator().manual_seed(0)
+    x, delta, weight = (torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen), torch.randn(40, generator=gen))
+    stream = x + delta
+    expected = weight * (stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6))
+    out = compiled.add_rms_norm(x, delta, weight, 1e-6)
+    torch.testing.assert_close(x, stream)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled.add_rms_norm(stream.clone(), None, weight, 1e-6), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul(compiled):
+    gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(0))
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(compiled.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+def test_rope_and_kv_write_equal_rotate_half_and_index_copy(compiled):
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(50, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()  # [P, D]
+    positions, slots = torch.tensor([0, 3, 7, 8, 40, 49]), torch.tensor([5, 1, 9, 2, 0, 11])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q_ref = _rotate(q.reshape(tokens, heads, dim), c, s)
+    k_ref = _rotate(k.reshape(tokens, kv_heads, dim), c, s)
+    cache_ref = torch.zeros(12, 2, kv_heads, dim)
+    cache_ref.index_copy_(0, slots, torch.stack((k_ref, v.reshape(tokens, kv_heads, dim)), 1))
+    cache = torch.zeros(12, 2, kv_heads, dim)
+    compiled.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, positions, slots, cache)
+    torch.testing.assert_close(qkv[:, :heads * dim].view(tokens, heads, dim), q_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cache, cache_ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 64), (9, 3, 128), (3, 1, 20)])
+def test_paged_decode_equals_gathered_sdpa(compiled, heads, kv_heads, dim):
+    """Unequal lengths, scattered blocks, a block table wider than a sequence needs, strided queries."""
+    gen = torch.Generator().manual_seed(heads)
+    block, num_blocks = 4, 40
+    cache = torch.randn(num_blocks * block, 2, kv_heads, dim, generator=gen)
+    lengths = [1, 9, 23, 16]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[i * 8:(i + 1) * 8] for i in range(len(lengths))]  # 8 blocks each, fewer used
+    rows = torch.randn(len(lengths), heads * dim + 5, generator=gen)  # a query row inside a wider row
+    q = rows[:, :heads * dim].view(len(lengths), heads, dim)
+    out = compiled.paged_decode(q, cache, torch.tensor(tables), torch.tensor(lengths), block, dim ** -0.5)
+    for i, length in enumerate(lengths):
+        slots = torch.tensor([tables[i][p // block] * block + p % block for p in range(length)])
+        group = AttentionGroup(start=0, end=1, batch=1, q_len=1, kv_len=length, kv_slots=slots,
+                               mask=torch.ones(1, 1, 1, length, dtype=torch.bool))
+        expected = paged_attention(q[i:i + 1], cache, group, dim ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from colorl.models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3"), family="qwen3", head_dim=24, initializer_range=0.3)
+
+
+def test_engine_with_and_without_the_loops_samples_the_same(compiled, tiny_model_dir, qwen3_dir):
+    """Continuous batching over prompts of different lengths (prefills beside decodes, batches of
+    1..5 rows): the compiled path and torch's operators sample the same tokens with the same log-probs."""
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 6, 30, 9)]
+    for folder in (tiny_model_dir, qwen3_dir):
+        outputs = []
+        for use_compiled in (True, False):
+            eng = NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
+            eng.model.use_compiled = use_compiled
+            params = [SamplingParams(temperature=1.0, max_new_tokens=6 + 5 * i, ignore_eos=True, seed=i) for i in range(5)]
+            outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
+        for fast, reference in zip(*outputs):
+            assert fast.output_ids == reference.output_ids
+            assert max(abs(a - b) for a, b in zip(fast.logprobs, reference.logprobs)) < 1e-4
+
+
+def test_rows_race_is_kept_per_machine_and_thread_count(compiled, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "race_rows", lambda library: {"rows": [1, 2], "seconds": {}})
+    library = cpu_decode.CpuDecode(compiled._lib)
+    assert library.rows_won == {1, 2}
+    (entry,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items()
+                if f"cpu_decode rows at {torch.get_num_threads()} threads" in k]
+    assert entry["rows"] == [1, 2]
+
+
+def test_race_measures_every_row_count(compiled):
+    verdict = cpu_decode.race_rows(compiled)
+    assert set(verdict["seconds"]) == set(range(1, cpu_decode.MAX_ROWS + 1))
+    assert set(verdict["rows"]) <= set(range(1, cpu_decode.MAX_ROWS + 1))
+
+
+@pytest.mark.parametrize("env", [{"COLORL_CPU_DECODE": "0"}, {"CC": "/nonexistent/cc"}])
+def test_without_the_loops_the_engine_runs_torch(env, tmp_path):
+    """Switched off, or no compiler: `load()` says None and a model step still runs."""
+    code = ("import shutil, colorl.engines.native.cpu_decode as c; import sys; "
+            "sys.exit(0 if c.load() is None else 1)")
+    extra = {"PATH": str(tmp_path)} if "CC" in env else {}  # no `cc` on the PATH either
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "COLORL_CACHE": str(tmp_path), **env, **extra})
+    assert result.returncode == 0
