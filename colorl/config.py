@@ -6,7 +6,6 @@ is allowed, so the CLI can print it and exit 2 without a traceback.
 from __future__ import annotations
 
 import difflib
-import importlib
 import importlib.util
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -410,16 +409,14 @@ def check_model_folder(folder: Path, engine: str) -> None:
 
 def resolve_reward(spec: str):
     """Import a user reward `module:function`; ConfigError if it cannot be found or called."""
-    module_name, sep, func_name = spec.partition(":")
-    if not sep or not module_name or not func_name:
-        raise ConfigError(f"task.reward={spec!r}: expected 'module:function'")
+    from colorl.user_code import UserCodeError, import_named
+
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is a config problem
-        raise ConfigError(f"task.reward={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    func = getattr(module, func_name, None)
+        func = import_named(spec, "function")
+    except UserCodeError as exc:
+        raise ConfigError(f"task.reward={spec!r}: {exc}") from None
     if not callable(func):
-        raise ConfigError(f"task.reward={spec!r}: {module_name!r} has no callable {func_name!r}")
+        raise ConfigError(f"task.reward={spec!r}: {spec.partition(':')[0]!r} has no callable {spec.partition(':')[2]!r}")
     return func
 
 

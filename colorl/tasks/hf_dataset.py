@@ -11,7 +11,6 @@ start when no row is usable, and `skipped` says how many were left out otherwise
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,11 +59,12 @@ def load_split(path: str, split: str):
 
 
 def resolve_row_map(spec: str) -> Callable[[dict], Any]:
-    module_name, sep, func_name = spec.partition(":")
+    from colorl.user_code import UserCodeError, import_named
+
     try:
-        func = getattr(importlib.import_module(module_name), func_name, None) if sep else None
-    except Exception as exc:  # any import-time failure of user code is a config problem
-        raise DatasetError(f"task.options.row_map={spec!r}: cannot import {module_name!r} ({type(exc).__name__})") from None
+        func = import_named(spec, "function")
+    except UserCodeError as exc:
+        raise DatasetError(f"task.options.row_map={spec!r}: {exc}") from None
     if not callable(func):
         raise DatasetError(f"task.options.row_map={spec!r}: expected an importable 'module:function'")
     return func

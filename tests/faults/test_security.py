@@ -20,9 +20,9 @@ SOURCES = sorted(p for d in ("colorl", "bench", "tests") for p in (ROOT / d).rgl
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
 BUILTIN_CODE = {"__import__", "exec", "eval", "compile"}  # as bare names; `model.eval()` is something else
 ALLOWED_DYNAMIC = {
-    ("colorl/config.py", "resolve_reward", "import_module"),  # the explicit task.reward key
+    # user code a config names explicitly: task.reward, task.options.row_map, an environment's module:Class
+    ("colorl/user_code.py", "import_named", "import_module"),
     ("colorl/engines/__init__.py", "engine_class", "import_module"),  # a fixed table of colorl's own modules
-    ("colorl/tasks/hf_dataset.py", "resolve_row_map", "import_module"),  # the explicit task.options.row_map key
     # the SGLang stand-in runs the pinned wheel's own serialisation code (its restricted unpickler),
     # on payloads the test process made itself, never on a file
     ("tests/helpers/sglang_wheel.py", "serializer", "exec"),
@@ -85,7 +85,7 @@ def unsafe_uses(source: str, rel: str) -> list[str]:
                 found.append(f"{where} trust_remote_code=True")
             elif (last == "import_module" or name in BUILTIN_CODE) and \
                     (rel, functions.get(id(node)), last) not in ALLOWED_DYNAMIC:
-                found.append(f"{where} {name}() outside config.resolve_reward")
+                found.append(f"{where} {name}() outside user_code.import_named")
             elif name in ("os.chmod", "os.fchmod", "tempfile.mkdtemp") and rel.startswith("colorl/") and \
                     rel not in ("colorl/models.py", "colorl/launch.py"):
                 found.append(f"{where} {name} (run files follow the user's umask)")
