@@ -86,12 +86,14 @@ def test_sampled_logprobs_equal_hf_forward(model_dir, hf):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_teacher_forced_scores_are_the_behaviour_logprobs(model_dir, temperature):
     """score() (the oracle test's entry: tests/engines/test_vllm_oracle.py) gives, for the tokens the
-    engine sampled, the log-probs step() returned for them, and leaves no KV block taken."""
+    engine sampled, the log-probs step() returned for them, and leaves no KV block taken. To float32
+    rounding: on a CPU the decode steps run the compiled loops (cpu_decode.c), the teacher-forced
+    prefill SDPA and oneDNN, summing in other orders."""
     params = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True, seed=11)
     eng = engine(model_dir)
     for prompt, result in zip(PROMPTS, eng.generate(requests(PROMPTS, params))):
         scored = eng.score(prompt, result.output_ids, temperature)
-        assert torch.allclose(torch.tensor(scored), torch.tensor(result.logprobs), atol=2e-5, rtol=0)
+        assert torch.allclose(torch.tensor(scored), torch.tensor(result.logprobs), atol=1e-4, rtol=0)
     assert eng.stats().kv_blocks_used == 0
 
 
