@@ -11,8 +11,8 @@ Workloads (8 prompts x 4 samples, temperature 1, top-p 1, a GRPO rollout batch):
   `rollout.length_override` (mean 64, tailness 90, cap 512; seeded, same lengths for both engines);
 - natural: stop at EOS, max_new_tokens 256.
 Each engine runs in its own process (clean peak RSS), one thread by default (the machine is shared),
-after a short warm-up; the best of --repeats runs (default 2) counts. tokens/s counts only returned tokens (the hf backend pads every batch to
-its longest request; the padding is not counted).
+after a short warm-up; the best of --repeats runs (default 2) counts. tokens/s counts only returned
+tokens (the hf backend pads every batch to its longest request; the padding is not counted).
 
 Decode floor: a decode step must read every weight once, plus the KV of every running sequence,
 so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth measured here

@@ -416,7 +416,8 @@ def resolve_reward(spec: str):
     except UserCodeError as exc:
         raise ConfigError(f"task.reward={spec!r}: {exc}") from None
     if not callable(func):
-        raise ConfigError(f"task.reward={spec!r}: {spec.partition(':')[0]!r} has no callable {spec.partition(':')[2]!r}")
+        module_name, _, func_name = spec.partition(":")
+        raise ConfigError(f"task.reward={spec!r}: {module_name!r} has no callable {func_name!r}")
     return func
 
 

@@ -89,10 +89,18 @@ RACE_SHAPES = ((256, 576, 1536), (16, 576, 1536))  # (rows, in, out): a training
 RACE_ROUNDS = 5
 
 
-def _seconds(product) -> float:
-    started = time.perf_counter()
-    product()
-    return time.perf_counter() - started
+def median_seconds(products, rounds: int) -> list[float]:
+    """Each product's median time over `rounds` alternating runs after one warm-up each: the machine
+    is shared, so the contenders take turns and an interruption hits one round, not a verdict."""
+    for product in products:
+        product()
+    times: list[list[float]] = [[] for _ in products]
+    for _ in range(rounds):
+        for i, product in enumerate(products):
+            started = time.perf_counter()
+            product()
+            times[i].append(time.perf_counter() - started)
+    return [sorted(t)[rounds // 2] for t in times]
 
 
 def race_onednn(dtype: torch.dtype) -> tuple[float, float]:
@@ -105,16 +113,9 @@ def race_onednn(dtype: torch.dtype) -> tuple[float, float]:
         weight = torch.randn(n_out, n_in, generator=gen).to(dtype)
         with torch.no_grad():
             operand = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if rows < 64 else weight
-            products = (lambda: torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], ""),
-                        lambda: F.linear(x, weight))
-            for product in products:  # warm-up
-                product()
-            times = [[], []]
-            for _ in range(RACE_ROUNDS):
-                for i, product in enumerate(products):
-                    times[i].append(_seconds(product))
-        for i in (0, 1):
-            totals[i] += sorted(times[i])[RACE_ROUNDS // 2]
+            medians = median_seconds((lambda: torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], ""),
+                                      lambda: F.linear(x, weight)), RACE_ROUNDS)
+        totals = [total + median for total, median in zip(totals, medians)]
     return totals[0], totals[1]
 
 

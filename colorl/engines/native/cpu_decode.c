@@ -6,6 +6,7 @@
  * Python side checks dtypes, devices and contiguity before calling.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,7 +123,6 @@ int colorl_linear(const float *x, const float *w, const float *bias, float *y, i
     }
 #pragma omp parallel num_threads(threads)
     {
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t chunk = (N + nt - 1) / nt;
         int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;

@@ -3,15 +3,15 @@ attention over the block table, RoPE with the KV write, residual add with RMSNor
 
 Why: a decode step over 1-8 sequences is a string of matrix-vector products bound by memory
 bandwidth, and the libraries torch ships read the weights at about half the bandwidth one core
-reaches (oneDNN 15 GB/s, MKL 11 GB/s, against 25 GB/s for one sequential stream on the
-project's Zen 4; `python bench/engine.py --kernels`). Around the products, the same step costs
+reaches (oneDNN 15 GB/s, MKL 11 GB/s, against 24 GB/s for one sequential stream on the
+project's Zen 4; bench/README.md, "The engines alone"). Around the products, the same step costs
 about 40 torch operators per layer (norms, RoPE, the padded gather of every sequence's context
 for SDPA, its mask): each is a dispatch of microseconds that does nanoseconds of work.
 
 How it is built: on first use, with the machine's C compiler (`CC`, else `cc`), `-O3
--march=native -fopenmp` (`COLORL_CPU_DECODE_ARCH` overrides the -march), into `colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers
-the source, the flags, the compiler and the CPU), atomically so concurrent ranks never load half
-a file; well under a second. It is loaded after torch, so its OpenMP calls join torch's own
+-march=native -fopenmp` (`COLORL_CPU_DECODE_ARCH` overrides the -march), into
+`colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers the source, the flags, the
+compiler and the CPU), atomically so concurrent ranks never load half a file; a second or two. It is loaded after torch, so its OpenMP calls join torch's own
 runtime and thread team (no second pool of spinning threads). No compiler, a failed build, a
 non-x86/ARM machine or `COLORL_CPU_DECODE=0`: `load()` returns None and the engine runs torch's
 operators, with the same results to float32 rounding (tests/engines/test_cpu_decode.py).
@@ -139,7 +139,7 @@ class CpuDecode:
 def race_rows(compiled: CpuDecode) -> dict:
     """For 1..MAX_ROWS rows: the median of RACE_ROUNDS alternating runs of each kernel over weights
     that do not fit in cache, as a decode step streams them."""
-    from colorl.kernels import PackedLinears
+    from colorl.kernels import PackedLinears, median_seconds
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(3072, 576, generator=gen) for _ in range(RACE_MATRICES)]
@@ -148,17 +148,8 @@ def race_rows(compiled: CpuDecode) -> dict:
     won, seconds = [], {}
     for rows in range(1, MAX_ROWS + 1):
         x = torch.randn(rows, 576, generator=gen)
-        products = (lambda: [compiled.linear(x, w, None) for w in weights],
-                    lambda: [packed.linear(x, w, None) for w in weights])
-        times: list[list[float]] = [[], []]
-        for product in products:  # warm-up
-            product()
-        for _ in range(RACE_ROUNDS):
-            for i, product in enumerate(products):
-                started = time.perf_counter()
-                product()
-                times[i].append(time.perf_counter() - started)
-        compiled_s, other_s = (sorted(t)[RACE_ROUNDS // 2] for t in times)
+        compiled_s, other_s = median_seconds((lambda: [compiled.linear(x, w, None) for w in weights],
+                                              lambda: [packed.linear(x, w, None) for w in weights]), RACE_ROUNDS)
         seconds[rows] = [compiled_s, other_s]
         if compiled_s < other_s:
             won.append(rows)
