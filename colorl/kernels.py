@@ -22,9 +22,10 @@ Which dtypes oneDNN takes is asked of this machine, not assumed: one tiny produc
 here is measured, not read from the vendor's name: the first product of a dtype times oneDNN
 against torch's default (MKL's sgemm) at a training-size and a decode-size product, alternating,
 and keeps oneDNN only when it takes no longer over the two (`onednn_chosen`; about 0.1 s). The
-verdict is kept per machine (CPU model and flags, torch version, dtype) in
-`~/.cache/colorl/kernels.json` (`COLORL_CACHE`), so every process on the machine, and a run and
-its resume, compute with the same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
+verdict is kept per machine (CPU model and flags, torch version, oneDNN's ISA cap, dtype) in
+`~/.cache/colorl/kernels.json` (`COLORL_CACHE`), measured by one process at a time under a lock, so
+every process on the machine (the ranks of one run too), and a run and its resume, compute with the
+same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
 skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it; deleting the file races again.
 torch's own bf16 checks read the CPU's flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
 holds an AVX-512 machine to the same), so a dtype that fails the probe takes torch's kernels.
@@ -33,6 +34,7 @@ own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / tor
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -139,11 +141,34 @@ def measured_verdict(name: str, measure) -> dict:
     """What `measure()` found on this machine (CPU model and flags, torch), measured once and kept in
     kernels.json: every process here, and a run and its resume, decide the same way."""
     key = f"{machine_key()} {name}"
-    verdicts = _read_verdicts()
-    if key not in verdicts:
-        verdicts[key] = measure()
-        _write_verdicts(verdicts)
-    return verdicts[key]
+    verdict = _read_verdicts().get(key)
+    if verdict is None:
+        with _verdicts_lock():  # the ranks of a run start together: one measures, the others wait and read
+            verdicts = _read_verdicts()
+            if key not in verdicts:
+                verdicts[key] = measure()
+                _write_verdicts(verdicts)
+            verdict = verdicts[key]
+    return verdict
+
+
+@contextlib.contextmanager
+def _verdicts_lock():
+    """An exclusive lock on kernels.json's neighbour, held while measuring: two processes that measured
+    at once would disturb each other's timings and could decide differently (a two-rank run whose ranks
+    round differently). Without a writable cache there is nothing to share, and no lock."""
+    import fcntl
+
+    path = _verdicts_path().with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _verdicts_path():
@@ -161,7 +186,8 @@ def machine_key() -> str:
     except OSError:
         info = platform.processor()
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    return f"{hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]} torch {torch.__version__}"
+    caps = "".join(f" {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA",) if os.environ.get(name))
+    return f"{hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]} torch {torch.__version__}{caps}"
 
 
 def _read_verdicts() -> dict:

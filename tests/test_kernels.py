@@ -120,6 +120,34 @@ def test_the_verdict_is_kept_for_every_later_process(fresh_choice, monkeypatch, 
     assert verdict == {"onednn": False, "onednn_s": 2.0, "default_s": 1.0}
 
 
+_MEASURE_AS_THIS_PROCESS = """
+import os, time
+from colorl.kernels import measured_verdict
+def measure():
+    time.sleep(0.5)  # long enough that the processes started together all ask before any has written
+    return {"measured_by": os.getpid()}
+print(measured_verdict("test verdict", measure)["measured_by"])
+"""
+
+
+def test_processes_that_ask_at_once_take_one_verdict(tmp_path):
+    """The ranks of a run start together: had each kept its own measurement, two ranks could compute
+    with different kernels and round differently (a two-rank run would not resume bit-exactly)."""
+    env = {**os.environ, "COLORL_CACHE": str(tmp_path)}
+    processes = [subprocess.Popen([sys.executable, "-c", _MEASURE_AS_THIS_PROCESS], env=env, stdout=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+    answers = {p.communicate(timeout=120)[0].strip() for p in processes}
+    assert len(answers) == 1 and answers <= {str(p.pid) for p in processes}
+
+
+def test_a_capped_instruction_set_is_measured_apart(fresh_choice, monkeypatch):
+    """`ONEDNN_MAX_CPU_ISA=AVX2` runs other kernels than the uncapped machine: its own verdict."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    uncapped = kernels.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernels.machine_key() != uncapped
+
+
 def test_colorl_onednn_1_takes_onednn_without_a_race(fresh_choice, monkeypatch):
     def no_race(dtype):
         raise AssertionError("raced")
