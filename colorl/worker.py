@@ -23,6 +23,7 @@ from colorl.files import write_atomic
 from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
+from colorl.rollout.episodes import EpisodeSetup
 from colorl.models import encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
@@ -56,6 +57,7 @@ class RankContext:
     display: Display
     stop_ids: tuple[int, ...]
     nonfinite: faults.NonFiniteGuard
+    episodes: EpisodeSetup | None = None  # task.env: samples are multi-turn episodes
     resumed_from: int | None = None  # checkpoint step the run resumed from
     history: list[dict] = field(default_factory=list)
     # this rank's intra-op thread budget, as the launcher set it from the cores the rank may use
@@ -95,16 +97,16 @@ class RankContext:
         """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""
         return predicted_staleness_for(self.cfg, rho, m_tail)
 
-    def maybe_evaluate(self, run_eval=None) -> float | None:
-        """Held-out greedy accuracy every `run.eval_every` steps and after the last one (each rank takes
-        a slice), else None.
+    def maybe_evaluate(self, run_eval=None) -> dict:
+        """Held-out greedy accuracy (`eval_accuracy`; with episodes also `eval_tool_use_frac`) every
+        `run.eval_every` steps and after the last one (each rank takes a slice), else None values.
 
         run_eval: how to run it on this rank's engine (bounded-lag mode hands the eval to its rollout
         thread); by default the engine is woken for it and put back to sleep at level 1.
         """
         every, step = self.cfg.run.eval_every, self.state.step
         if not every or (step % every and step != self.cfg.run.steps):  # the last step always: before → after
-            return None
+            return {"eval_accuracy": None}
         faults.point("eval", self.state.step)
         problems = self.task.eval_problems(self.cfg.run.eval_prompts)[self.rank::self.world]
         if run_eval is None:
@@ -115,9 +117,13 @@ class RankContext:
             self.engine.sleep(1)
         else:
             result = run_eval(problems)
-        totals = torch.tensor([result.accuracy * result.problems, float(result.problems)], dtype=torch.float64)
+        totals = torch.tensor([result.accuracy * result.problems, float(result.problems),
+                               (result.tool_use or 0.0) * result.problems], dtype=torch.float64)
         dist.all_reduce(totals)
-        return float(totals[0] / totals[1]) if totals[1] else None
+        if not totals[1]:
+            return {"eval_accuracy": None}
+        tool_use = {"eval_tool_use_frac": float(totals[2] / totals[1])} if self.episodes else {}
+        return {"eval_accuracy": float(totals[0] / totals[1]), **tool_use}
 
     def close(self) -> None:
         """After the mode's loop, however it ended: the end table, the metrics files, the reward sandbox."""
@@ -140,15 +146,17 @@ class RankContext:
 
     def evaluate_problems(self, problems: list) -> EvalResult:
         return evaluate(self.engine, problems, self.reward_fn, self.tokenizer, self.cfg.rollout.max_new_tokens,
-                        system_prompt=self.cfg.model.system_prompt, stop_ids=self.stop_ids)
+                        system_prompt=self.cfg.model.system_prompt, stop_ids=self.stop_ids, episodes=self.episodes)
 
     def report_initial_eval(self, run_eval=None) -> None:
         """The baseline the periodic evals compare against, shown before the first step."""
         self.display.phase("held-out eval before step 1")
-        accuracy = self.maybe_evaluate(run_eval)
-        if accuracy is not None:
-            self.event(f"eval_accuracy step=0 {accuracy:.4f}")
-            self.display.initial_accuracy(accuracy)
+        result = self.maybe_evaluate(run_eval)
+        if result["eval_accuracy"] is not None:
+            self.event(f"eval_accuracy step=0 {result['eval_accuracy']:.4f}")
+            if "eval_tool_use_frac" in result:
+                self.event(f"eval_tool_use_frac step=0 {result['eval_tool_use_frac']:.4f}")
+            self.display.initial_accuracy(result["eval_accuracy"], result.get("eval_tool_use_frac"))
 
     def check_numerics(self, train, rollout_state=None) -> None:
         """After a step is logged: the Nth non-finite loss or gradient norm in a row saves the last
@@ -265,10 +273,12 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     metrics = MetricsWriter.for_run(run_dir, cfg) if rank == 0 else None
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
-                      enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None)
+                      enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None,
+                      episodes=cfg.task.env is not None)
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
-                      weight_sync, state, metrics, display, stop_ids, nonfinite, resumed_from=step)
+                      weight_sync, state, metrics, display, stop_ids, nonfinite,
+                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer), resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "

@@ -134,3 +134,19 @@ def test_one_step_warns_and_its_reward_chart_draws_points(tmp_path, capsys, monk
     assert "--steps 1 leaves no step after warm-up" in err
     lines = [line for ax in drawn["reward.png"].axes for line in ax.get_lines()]
     assert len(lines) == 2 and all(line.get_marker() == "o" and len(line.get_xdata()) == 1 for line in lines)
+
+
+def test_the_episodes_table_is_printed_only_for_multi_turn_workloads():
+    from rich.console import Console
+
+    from colorl.bench.report import print_tables
+
+    def printed(figures: dict) -> str:
+        console = Console(record=True, force_terminal=True, width=300)
+        print_tables({"variants": [{"spec": "colocated", "status": "ok", "figures": figures}]}, console)
+        return console.export_text()
+
+    completions = printed({"trained_tokens_per_s": 10.0})
+    episodes = printed({"trained_tokens_per_s": 10.0, "episode_turns_mean": 2.5, "engine_env_wait_frac": 0.4})
+    assert "throughput and time" in completions and "episodes" not in completions
+    assert "episodes (task.env)" in episodes and "2.50" in episodes and "40%" in episodes

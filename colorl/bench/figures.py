@@ -172,6 +172,13 @@ def summarize(records: list[dict], workload: Workload, warmup: int) -> dict:
         "reward_final": _mean(last, "reward_mean"),
         "eval_accuracy_final": evals[-1] if evals else None,
         "staleness_hist": staleness_histogram(records, workload),
+        "episode_turns_mean": _mean(steady, "episode_turns_mean"),  # multi-turn episodes (task.env) only
+        "tool_use_frac": _mean(steady, "tool_use_frac"),
+        "env_s_per_episode": _mean(steady, "env_s_per_episode"),
+        "engine_env_wait_frac": _mean(steady, "engine_env_wait_frac"),
+        "env_errors": _total(records, "env_errors"),
+        "env_timeouts": _total(records, "env_timeouts"),
+        "episodes_truncated": _total(records, "episodes_truncated"),
         "wall_s": sum(_values(records, "time_step_s")),
     }
 

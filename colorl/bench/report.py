@@ -24,6 +24,7 @@ class Column:
     fmt: str = "{:.2f}"
 
 
+EPISODES_TABLE = "episodes (task.env)"
 TABLES = {
     "throughput and time": (
         Column("trained tok/s", "trained_tokens_per_s", "{:.1f}"), Column("speed-up", "speedup", "{:.2f}x"),
@@ -42,7 +43,20 @@ TABLES = {
         Column("aborted", "groups_aborted", "{:.0f}"), Column("dropped", "groups_dropped", "{:.0f}"),
         Column("filtered", "groups_filtered", "{:.0f}"),
     ),
+    EPISODES_TABLE: (
+        Column("turns", "episode_turns_mean", "{:.2f}"), Column("tool use", "tool_use_frac", "{:.0%}"),
+        Column("env s/episode", "env_s_per_episode"), Column("engine env-wait", "engine_env_wait_frac", "{:.0%}"),
+        Column("env faults", "env_errors", "{:.0f}"), Column("env timeouts", "env_timeouts", "{:.0f}"),
+        Column("truncated", "episodes_truncated", "{:.0f}"),
+    ),
 }
+
+
+def _shown_tables(bench: dict) -> dict[str, tuple[Column, ...]]:
+    """Every table, the episodes one only when a variant has its figures (a multi-turn workload)."""
+    return {title: columns for title, columns in TABLES.items()
+            if title != EPISODES_TABLE
+            or any(cell(c, v.get("figures")) != "–" for c in columns for v in bench["variants"])}
 
 
 def cell(column: Column, figures: dict | None) -> str:
@@ -70,7 +84,7 @@ def markdown(bench: dict, charts: list[str]) -> str:
         f"B = {head['rollouts_per_step']} rollouts per step, model {head['model']}, engine {head['engine']}",
         f"- {TRAINED_DEFINITION}", "",
     ]
-    for title, columns in TABLES.items():
+    for title, columns in _shown_tables(bench).items():
         headers = ["variant", "status"] + [c.header for c in columns]
         lines += [f"## {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(row) + " |" for row in _rows(bench["variants"], columns)]
@@ -86,7 +100,7 @@ def markdown(bench: dict, charts: list[str]) -> str:
 def print_tables(bench: dict, console: Console) -> None:
     if not console.is_terminal:  # a log file: no reason to squeeze the tables into 80 columns
         console = Console(width=200, force_terminal=False)
-    for title, columns in TABLES.items():
+    for title, columns in _shown_tables(bench).items():
         table = Table(title=f"colorl bench · {title}", title_justify="left")
         table.add_column("variant", no_wrap=True)
         for header in ["status"] + [c.header for c in columns]:

@@ -12,6 +12,7 @@ from typing import Iterable, Mapping
 import torch
 
 from colorl.engines.weights import copy_rows
+from colorl.envs.base import EpisodeRecord
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,29 @@ class GenerationResult:
     logprobs: list[float]  # behaviour log-prob of each output token, at the sampling temperature
     versions: list[int]  # policy version that produced each output token
     finish_reason: str  # "stop" | "length" | "abort" | "interrupt"
+    # A multi-turn episode (colorl/rollout/episodes.py): its output interleaves the model's tokens
+    # (mask 1) with the environment's (tool results, user turns: mask 0, log-prob 0, the version
+    # of the model token before them). None: every output token was sampled.
+    loss_mask: list[int] | None = None
+    episode: EpisodeRecord | None = None
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Output tokens the model sampled (an episode's environment tokens were prefilled, not decoded)."""
+        return len(self.output_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def sampled_versions(self) -> list[int]:
+        """The versions of the tokens the model sampled."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
     def first_version(self) -> int:
         """V_traj: the version of the first generated token (the oldest that touched it)."""
-        return min(self.versions) if self.versions else -1
+        versions = self.sampled_versions
+        return min(versions) if versions else -1
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 from colorl.envs import calculator  # noqa: F401  (registration)
-from colorl.envs.base import (ENVS, Environment, EnvError, EnvStep, InvalidStep, Message, ToolSpec, register,
-                              resolve_env)
-from colorl.envs.conversation import Conversation, ConversationError
+from colorl.envs.base import (ENVS, Environment, EnvError, EnvStep, InvalidStep, Message, ToolSpec,
+                              check_env_options, register, resolve_env)
+from colorl.envs.conversation import Conversation, ConversationError, check_template
 from colorl.envs.guard import FAULT_KINDS, EnvRunner, GuardedStep, PendingStep
 from colorl.envs.tools import ToolCall, ToolCallError, has_tool_call, parse_tool_calls, render_chat
 
-__all__ = ["ENVS", "Environment", "EnvError", "EnvStep", "InvalidStep", "Message", "ToolSpec", "register",
-           "resolve_env", "Conversation", "ConversationError", "FAULT_KINDS", "EnvRunner", "GuardedStep",
-           "PendingStep", "ToolCall", "ToolCallError", "has_tool_call", "parse_tool_calls", "render_chat"]
+__all__ = ["ENVS", "Environment", "EnvError", "EnvStep", "InvalidStep", "Message", "ToolSpec", "check_env_options",
+           "register", "resolve_env", "Conversation", "ConversationError", "check_template", "FAULT_KINDS",
+           "EnvRunner", "GuardedStep", "PendingStep", "ToolCall", "ToolCallError", "has_tool_call", "parse_tool_calls", "render_chat"]

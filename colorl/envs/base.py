@@ -94,6 +94,19 @@ class EnvStep:
 
 
 @dataclass(frozen=True)
+class EpisodeRecord:
+    """What one episode did, carried on its result for the reward and the step's metrics."""
+
+    reward: float
+    turns: int  # model messages
+    tool_calls: int  # `<tool_call>` blocks in the model's messages, well-formed or not
+    tool_errors: int  # calls the environment could not run (reported to the model)
+    env_seconds: float  # time in the environment's code (reset and every step)
+    fault: str | None = None  # the environment raised, hung or broke the interface: reward 0
+    truncated: bool = False  # cut by max_turns or the episode's token cap before the environment ended it: reward 0
+
+
+@dataclass(frozen=True)
 class ToolSpec:
     """A tool the model may call; `parameters` is the JSON schema of its arguments object."""
 
@@ -140,6 +153,15 @@ def register(name: str) -> Callable[[E], E]:
         return cls
 
     return wrap
+
+
+def check_env_options(cls: type[Environment], options: dict[str, Any]) -> None:
+    """`task.env_options` must be keyword arguments the environment's constructor takes."""
+    try:
+        inspect.signature(cls).bind(Problem("", ""), **options)
+    except TypeError as exc:
+        raise EnvError(f"task.env_options {sorted(options)} do not fit {cls.__name__}{inspect.signature(cls)}: "
+                       f"{exc}") from None
 
 
 def resolve_env(spec: str) -> type[Environment]:

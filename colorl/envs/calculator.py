@@ -5,6 +5,13 @@ messages; its first message without a tool call ends the episode, scored 1.0 whe
 message's last number equals `Problem.answer` (exactly, as fractions), else 0.0. A message that
 still calls a tool at the turn limit ends the episode with 0.0.
 
+With `examples: true` in `task.env_options`, the user turn shows two example calls before the
+question (EXAMPLES); by default it is the problem's text. A small model ignores tools declared only
+in the system turn: on two-digit sums SmolLM2-135M-Instruct called the tool in 0 of 64 sampled
+episodes, and with a worked example added to the system turn made no well-formed call in 64;
+with these examples just before the question, 16 of 64 episodes on two-digit products made a
+well-formed call (temperature 0.5), enough for GRPO to build on (configs/tool-calc.yaml).
+
 Expressions are evaluated by walking their `ast`: numbers, + - * / // % **, unary minus and
 parentheses, nothing else (no names, calls, attributes or subscripts), with bounded length,
 size and exponents, so model-written text never runs as code.
@@ -15,6 +22,7 @@ import ast
 import math
 import operator
 import re
+import time
 from typing import Callable
 
 from colorl.envs.base import Environment, EnvStep, Message, ToolSpec, register
@@ -28,6 +36,17 @@ MAX_EXPONENT = 64
 MAX_BITS = 1024  # |value| < 2**1024: about the float range; larger results are refused
 SYSTEM = ("Solve the problem. You can use the calculator tool. When you are done, reply with the final "
           "answer as a number, without a tool call.")
+EXAMPLES = """Use the calculator tool. Examples:
+Question: What is 31 * 4?
+<tool_call>
+{"name": "calculator", "arguments": {"expression": "31 * 4"}}
+</tool_call>
+Question: What is 52 + 17?
+<tool_call>
+{"name": "calculator", "arguments": {"expression": "52 + 17"}}
+</tool_call>
+
+Question: """
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 Number = int | float
@@ -109,14 +128,21 @@ class CalculatorEnv(Environment):
                        "required": ["expression"], "additionalProperties": False}),)
     max_turns = 4  # model messages per episode, the last one included
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, latency_s: float = 0.0, examples: bool = False) -> None:
+        """latency_s: seconds every step takes (`task.env_options`), a stand-in for a remote tool or
+        grader when benchmarking how the modes overlap tool time. examples: open the user turn
+        with EXAMPLES (see the module doc)."""
+        if not 0 <= latency_s <= 60:
+            raise ValueError(f"latency_s={latency_s}: allowed 0..60")
         super().__init__(problem)
-        self.turns = 0
+        self.turns, self.latency_s, self.examples = 0, latency_s, examples
 
     def reset(self) -> list[Message]:
-        return [Message("system", SYSTEM), Message("user", self.problem.prompt)]
+        question = f"{EXAMPLES}{self.problem.prompt}" if self.examples else self.problem.prompt
+        return [Message("system", SYSTEM), Message("user", question)]
 
     def step(self, assistant_text: str) -> EnvStep:
+        time.sleep(self.latency_s)
         self.turns += 1
         if not has_tool_call(assistant_text):
             return EnvStep([], done=True, reward=score(assistant_text, self.problem.answer))

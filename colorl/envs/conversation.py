@@ -76,6 +76,15 @@ class Conversation:
         self.messages += messages
 
 
+def check_template(tokenizer, tools: Sequence[ToolSpec] = ()) -> None:
+    """Before a run: one model turn and one tool result through the template (ConversationError if it
+    rewrites earlier turns), so a template unfit for episodes stops the launch, not every episode."""
+    conversation = Conversation.start(tokenizer, [Message("system", "s"), Message("user", "u")], tools)
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    conversation.add_model_turn(_encode(tokenizer, "ok") + end)
+    conversation.add_env_messages([Message("tool", "1", name=tools[0].name if tools else None)])
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     """Template text already holds its special tokens: add none (as apply_chat_template does)."""
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -48,10 +49,17 @@ class PendingStep:
         self._future, self._timeout_s, self._check, self._on_timeout = future, timeout_s, check, on_timeout
         self._deadline = time.monotonic() + timeout_s
         self._result: GuardedStep | None = None
+        self.built: list[Environment] = []  # `EnvRunner.submit_open`: the environment, once built
 
     def done(self) -> bool:
         """True when `result()` will not wait: the step returned or its deadline passed."""
         return self._future.done() or time.monotonic() >= self._deadline
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until `done()`, for at most `timeout_s`."""
+        remaining = min(timeout_s, self._deadline - time.monotonic())
+        if remaining > 0:
+            futures_wait([self._future], timeout=remaining)
 
     def result(self) -> GuardedStep:
         if self._result is None:
@@ -81,6 +89,19 @@ class EnvRunner:
 
     def submit_reset(self, env: Environment, timeout_s: float) -> PendingStep:
         return self._submit(env.reset, _checked_reset, timeout_s)
+
+    def submit_open(self, build: Callable[[], Environment], timeout_s: float) -> PendingStep:
+        """Build the environment and reset it, both on the pool (a slow constructor holds no loop);
+        `PendingStep.env` is the environment once built."""
+        built: list[Environment] = []
+
+        def open_episode() -> Any:
+            built.append(build())
+            return built[0].reset()
+
+        pending = self._submit(open_episode, _checked_reset, timeout_s)
+        pending.built = built
+        return pending
 
     def submit_step(self, env: Environment, text: str, timeout_s: float) -> PendingStep:
         return self._submit(lambda: env.step(text), _checked_step, timeout_s)

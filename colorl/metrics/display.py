@@ -29,6 +29,11 @@ _SHOWN_BOUNDED_LAG = (
     ("staleness max", "staleness_max", "{:d}"), ("trainer wait s", "trainer_wait_s", "{:.1f}"),
     ("engine idle", "engine_idle_frac", "{:.0%}"),
 )
+_SHOWN_EPISODES = (
+    ("turns/episode", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}"),
+    ("held-out tool use", "eval_tool_use_frac", "{:.0%}"),
+    ("env faults", "env_errors", "{:d}"),
+)
 LABEL_WIDTH, VALUE_WIDTH = 18, 52  # fixed, so the panel does not change width; with borders 77 columns
 
 
@@ -70,11 +75,11 @@ def _clock(seconds: float | None) -> str:
 
 class Display:
     def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True,
-                 eta: int | None = None) -> None:
-        """eta: bounded-lag mode's staleness bound η (None in colocated mode)."""
+                 eta: int | None = None, episodes: bool = False) -> None:
+        """eta: bounded-lag mode's staleness bound η (None in colocated mode); episodes: task.env is set."""
         self.console = Console(stderr=False)
-        self.total, self.first, self.title, self.eta = total_steps, first_step, title, eta
-        self.shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ())
+        self.total, self.first, self.title, self.eta, self.episodes = total_steps, first_step, title, eta, episodes
+        self.shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ()) + (_SHOWN_EPISODES if episodes else ())
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
         self.phase_name, self.step, self.last = "start", first_step, {}
@@ -129,10 +134,11 @@ class Display:
             parts = " ".join(f"{label.replace(' ', '_')}={_fmt(fmt, record.get(key))}" for label, key, fmt in self.shown)
             print(f"step {self.step}/{self.total} eta={self._eta().replace(' ', '_')} {parts}", flush=True)
 
-    def initial_accuracy(self, accuracy: float) -> None:
+    def initial_accuracy(self, accuracy: float, tool_use: float | None = None) -> None:
         """Held-out greedy accuracy before step 1: shown now, and next to every later evaluation."""
         self.baseline = accuracy
-        self.message(f"held-out accuracy (greedy) before training: {accuracy:.1%}")
+        uses = "" if tool_use is None else f" (episodes that called a tool: {tool_use:.1%})"
+        self.message(f"held-out accuracy (greedy) before training: {accuracy:.1%}{uses}")
 
     def message(self, text: str) -> None:
         if self.enabled:
@@ -150,6 +156,8 @@ class Display:
         if self.eta is not None:
             columns += [("stale max", "staleness_max", "{:d}"), ("wait s", "trainer_wait_s", "{:.1f}"),
                         ("idle", "engine_idle_frac", "{:.0%}")]
+        if self.episodes:
+            columns += [("turns", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}")]
         summary = Table(title=f"colorl · steps (train acc at T=1, held-out greedy{'' if self.eta is None else f'; η = {self.eta}'})")
         for name, _, _ in columns:
             summary.add_column(name, justify="right")

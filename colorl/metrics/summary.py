@@ -11,6 +11,7 @@ from pathlib import Path
 from colorl.metrics.logger import read_metrics
 
 _BASELINE = re.compile(r"eval_accuracy step=0 ([0-9.]+)")
+_TOOL_BASELINE = re.compile(r"eval_tool_use_frac step=0 ([0-9.]+)")
 
 
 def format_duration(seconds: float) -> str:
@@ -21,12 +22,12 @@ def format_duration(seconds: float) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-def baseline_accuracy(run_dir: Path) -> float | None:
-    """Held-out accuracy measured before step 1 (events.log), if the run evaluates."""
+def baseline_accuracy(run_dir: Path, pattern: re.Pattern = _BASELINE) -> float | None:
+    """Held-out accuracy (or tool use) measured before step 1 (events.log), if the run evaluates."""
     events = run_dir / "events.log"
     if not events.exists():
         return None
-    found = _BASELINE.findall(events.read_text(encoding="utf-8"))
+    found = pattern.findall(events.read_text(encoding="utf-8"))
     return float(found[0]) if found else None
 
 
@@ -42,6 +43,12 @@ def summary_lines(run_dir: Path, wall_s: float, eval_prompts: int) -> list[str]:
         start = f"{before:.1%} before → " if before is not None else ""
         lines.append(f"held-out accuracy (greedy, {eval_prompts} prompts never trained on): "
                      f"{start}{after:.1%} at step {step}")
+    uses = [(r["step"], r["eval_tool_use_frac"]) for r in records if r.get("eval_tool_use_frac") is not None]
+    if uses:
+        step, after = uses[-1]
+        before = baseline_accuracy(run_dir, _TOOL_BASELINE)
+        start = f"{before:.1%} before → " if before is not None else ""
+        lines.append(f"held-out episodes that called a tool: {start}{after:.1%} at step {step}")
     first, last = records[0], records[-1]
     lines.append(f"training reward (samples at the rollout temperature): {first['reward_mean']:.3f} at step "
                  f"{first['step']} → {last['reward_mean']:.3f} at step {last['step']}")

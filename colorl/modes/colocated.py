@@ -12,6 +12,7 @@ import time
 from colorl import faults
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.collect import collect_groups
+from colorl.rollout.episodes import Rollouts
 from colorl.train.batch import build_batch
 
 
@@ -21,6 +22,7 @@ def run_colocated(ctx, stop) -> None:
         ctx.weight_sync.sync(engine, ctx.state.version)  # engines start from the trainer's weights
     if ctx.state.step == 0:
         ctx.report_initial_eval()
+    rollouts = Rollouts(engine, ctx.episodes)  # completions, or episodes with an environment (task.env)
     while ctx.state.step < cfg.run.steps:
         times = StepTimes()
         ctx.display.phase("rollout")
@@ -28,10 +30,10 @@ def run_colocated(ctx, stop) -> None:
         faults.point("rollout", ctx.state.step + 1)
         indices = list(ctx.problem_indices(ctx.state.step))
         problems = [ctx.task.train_problem(i) for i in indices]
-        groups = collect_groups(engine, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+        groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
                                 ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
         engine.sleep(cfg.engine.sleep_level)
-        times.rollout = time.perf_counter() - times.start
+        times.rollout, times.env_wait = time.perf_counter() - times.start, rollouts.take_env_wait_s()
         times.phase_done("rollout")
 
         ctx.display.phase("train")
@@ -55,7 +57,7 @@ def run_colocated(ctx, stop) -> None:
         ctx.state.version += 1
         ctx.state.data_position += cfg.rollout.batch_groups
         record = step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1)
-        ctx.log_step({**record, "eval_accuracy": ctx.maybe_evaluate()})
+        ctx.log_step({**record, **ctx.maybe_evaluate()})
         ctx.check_numerics(train_stats)
         stopping = stop.agreed()
         if stopping or ctx.should_save():

@@ -22,6 +22,7 @@ class StepTimes:
     train: float = 0.0
     sync: float = 0.0
     trainer_wait: float = 0.0
+    env_wait: float = 0.0  # colocated: rollout time the engine had nothing to decode (episodes on their environments)
     cuda_peaks: dict[str, int] = field(default_factory=dict)  # phase -> peak bytes allocated (CUDA only)
 
     def phase_done(self, name: str) -> None:
@@ -124,5 +125,30 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,
         "trained_problems": _gather([g.problem_index for g in groups]),
+        **(episode_metrics(groups, times.env_wait if colocated else window.env_wait_s,
+                           t_rollout if colocated else wall_sum / world) if ctx.episodes else {}),
         **cuda_memory(times),
+    }
+
+
+def episode_metrics(groups: list[Group], env_wait_s: float, rollout_wall_s: float) -> dict:
+    """Multi-turn episodes: per episode over all ranks, and the share of the rollout's wall time the
+    engine stood idle because every live episode waited on its environment (bounded-lag mode's
+    overlap gives that time to other episodes)."""
+    records = [r.episode for g in groups for r in g.results if r.episode is not None]
+    (n, tokens, turns, calls, users, tool_errors, env_s, errors, timeouts, truncated, env_wait) = _reduce([
+        len(records), sum(len(r.output_ids) for g in groups for r in g.results), sum(e.turns for e in records), sum(e.tool_calls for e in records),
+        sum(1 for e in records if e.tool_calls),
+        sum(e.tool_errors for e in records), sum(e.env_seconds for e in records),
+        sum(1 for e in records if e.fault in ("raised", "invalid")), sum(1 for e in records if e.fault == "timeout"),
+        sum(1 for e in records if e.truncated), env_wait_s,
+    ], dist.ReduceOp.SUM)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_episode = lambda total: total / max(n, 1)  # noqa: E731
+    return {
+        "episode_len_mean": per_episode(tokens), "episode_turns_mean": per_episode(turns), "tool_calls_per_episode": per_episode(calls),
+        "tool_use_frac": per_episode(users),
+        "tool_errors": int(tool_errors), "env_errors": int(errors), "env_timeouts": int(timeouts),
+        "episodes_truncated": int(truncated), "env_s_per_episode": per_episode(env_s),
+        "engine_env_wait_frac": (env_wait / world) / rollout_wall_s if rollout_wall_s else 0.0,
     }

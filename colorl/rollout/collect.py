@@ -1,4 +1,4 @@
-"""Phase 2 of a colocated step: turn problems into finished, rewarded groups through an Engine.
+"""Phase 2 of a colocated step: turn problems into finished, rewarded groups through `Rollouts`.
 
 Rewards are computed as soon as all S samples of a group are done, while the engine keeps
 decoding the others. `step_requests` is shared with the bounded-lag mode, so both modes draw
@@ -9,7 +9,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from colorl.engines.base import Engine, GenerationRequest, SamplingParams
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.rollout.episodes import Rollouts, sample_rewards
 from colorl.rollout.types import Group
 from colorl.staleness.formula import LengthModel
 from colorl.tasks.base import Problem
@@ -54,24 +55,24 @@ def step_requests(rollout_cfg, prompt_ids: list[list[int]], group_ids: list[str]
     return requests
 
 
-def collect_groups(engine: Engine, problems: list[Problem], prompt_ids: list[list[int]], rollout_cfg,
+def collect_groups(rollouts: Rollouts, problems: list[Problem], prompt_ids: list[list[int]], rollout_cfg,
                    reward_fn, decode: Callable[[list[int]], str], base_seed: int,
                    stop_ids: tuple[int, ...] = (), problem_indices: list[int] | None = None) -> list[Group]:
-    """Generate S samples per problem and reward each group as soon as its last sample finishes."""
+    """Generate S samples (completions or episodes) per problem; reward each group as soon as its last one ends."""
     size = rollout_cfg.group_size
-    for group in step_requests(rollout_cfg, prompt_ids, [str(g) for g in range(len(problems))], base_seed, stop_ids):
+    for problem, group in zip(problems, step_requests(rollout_cfg, prompt_ids, [str(g) for g in range(len(problems))],
+                                                      base_seed, stop_ids)):
         for request in group:
-            engine.add(request)
+            rollouts.start(request, problem)
     pending: dict[int, dict[int, object]] = {g: {} for g in range(len(problems))}
     groups: dict[int, Group] = {}
-    while engine.has_unfinished():
-        for result in engine.step():
+    while rollouts.has_unfinished():
+        for result in rollouts.step():
             g, s = map(int, result.request_id.split(":"))
             pending[g][s] = result
             if len(pending[g]) == size:
                 results = [pending[g][i] for i in range(size)]
-                problem = problems[g]
-                rewards = [reward_fn(problem.prompt, decode(r.output_ids), problem.answer) for r in results]
                 index = problem_indices[g] if problem_indices is not None else -1
-                groups[g] = Group(problem, results, rewards, problem_index=index)
+                groups[g] = Group(problems[g], results, sample_rewards(problems[g], results, reward_fn, decode),
+                                  problem_index=index)
     return [groups[g] for g in range(len(problems))]

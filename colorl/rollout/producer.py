@@ -18,6 +18,7 @@ completed groups and the tickets in flight; a resume re-issues those tickets fir
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -31,7 +32,9 @@ import torch
 from colorl import faults
 from colorl.buffer import Slot
 from colorl.engines.base import GenerationRequest, GenerationResult
+from colorl.envs.base import EpisodeRecord
 from colorl.rollout.collect import step_requests
+from colorl.rollout.episodes import Rollouts, sample_rewards
 from colorl.rollout.types import Group, RolloutWindow
 from colorl.tasks.base import Problem
 
@@ -81,6 +84,7 @@ class RolloutProducer:
         """cores: how this loop and the trainer share the rank's cores (colorl/modes/cores.py)."""
         cfg = ctx.cfg
         self.ctx, self.engine, self.buffer, self.cores = ctx, ctx.engine, buffer, cores
+        self.rollouts = Rollouts(ctx.engine, ctx.episodes)  # completions, or episodes with an environment
         self.group_size = cfg.rollout.group_size
         redundancy = cfg.staleness.redundancy
         extra = math.ceil(self.group_size * redundancy.ratio) if redundancy and redundancy.level == "group" else 0
@@ -113,6 +117,7 @@ class RolloutProducer:
         self._stop.set()
         self.notify()
         self._thread.join(timeout=30)
+        self.rollouts.close()
 
     def notify(self) -> None:
         """Wake the rollout thread (a version was published, or it should stop)."""
@@ -191,29 +196,17 @@ class RolloutProducer:
             return
         self._window.apply_s += stats.time_sync_s
         if self.recompute and self._flights:  # AReaL style: in-flight samples continue under the new weights
-            self._add_back(self.engine.interrupt([rid for f in self._flights.values() for rid in f.running]))
+            self.rollouts.resume(self.rollouts.interrupt([rid for f in self._flights.values() for rid in f.running]))
 
     def _serve_eval(self) -> None:
         if self._eval_problems is None:
             return
-        parked = self._park()
+        parked = self.rollouts.interrupt([rid for f in self._flights.values() for rid in f.running], keep_kv=True)
         result = self.ctx.evaluate_problems(self._eval_problems)
-        self._add_back(parked)
+        self.rollouts.resume(parked)  # on their kept KV
         with self._cv:
             self._eval_problems, self._eval_result = None, result
             self._cv.notify_all()
-
-    def _park(self) -> list[GenerationResult]:
-        ids = [rid for f in self._flights.values() for rid in f.running]
-        return self.engine.interrupt(ids, keep_kv=True)  # re-added right after the evaluation
-
-    def _add_back(self, partial: list[GenerationResult]) -> None:
-        """Re-add interrupted samples with what they generated (their tokens keep their versions)."""
-        for result in partial:
-            flight = self._flights[int(result.request_id.split(":")[0])]
-            request = flight.running[result.request_id]
-            self.engine.add(GenerationRequest(result.request_id, request.prompt_ids, request.params,
-                                              result.output_ids, result.logprobs, result.versions))
 
     def _admit(self) -> None:
         while not self._stop.is_set():
@@ -230,10 +223,10 @@ class RolloutProducer:
                 else:
                     self._next_ticket += 1
                 index, requests = self._requests(ticket)
-                self._flights[ticket] = _Flight(slot, ticket, index, self.ctx.task.train_problem(index),
-                                                {r.request_id: r for r in requests})
+                problem = self.ctx.task.train_problem(index)
+                self._flights[ticket] = _Flight(slot, ticket, index, problem, {r.request_id: r for r in requests})
             for request in requests:
-                self.engine.add(request)
+                self.rollouts.start(request, problem)
 
     def _requests(self, ticket: int) -> tuple[int, list[GenerationRequest]]:
         """Problem index and requests of a ticket: step `ticket div G/world`, exactly as colocated draws them."""
@@ -252,7 +245,7 @@ class RolloutProducer:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        self.cores.rollout_idle = not self.engine.has_unfinished()
+        self.cores.rollout_idle = not self.rollouts.has_unfinished()
         if self.cores.rollout_idle:
             with self._cv:
                 self._cv.wait(0.05)  # woken by a publish, a consume, an eval request or stop
@@ -263,8 +256,10 @@ class RolloutProducer:
             return
         faults.point("rollout", self.ctx.state.step + 1)
         torch.set_num_threads(self.cores.rollout_threads())  # per thread: the trainer sets its own
-        results = self.engine.step()
-        self._window.busy_s += time.perf_counter() - started
+        results = self.rollouts.step()
+        env_wait = self.rollouts.take_env_wait_s()  # the engine had nothing to decode: episodes on their tools
+        self._window.env_wait_s += env_wait
+        self._window.busy_s += time.perf_counter() - started - env_wait
         for result in results:
             self._finished(result)
         self._publish_status()
@@ -275,17 +270,16 @@ class RolloutProducer:
             return  # a surplus sample that finished in the step its group (or buffer) became full
         del flight.running[result.request_id]
         flight.done.append((int(result.request_id.split(":")[1]), result))
-        self._window.generated_tokens += len(result.output_ids)
+        self._window.generated_tokens += result.sampled_tokens
         self._window.finished_samples += 1
         if len(flight.done) < self.group_size:
             return
         if flight.running:  # group-level redundancy: the group is full, abort its slowest samples
-            self.engine.abort(list(flight.running))
+            self.rollouts.abort(list(flight.running))
             self._window.samples_aborted += len(flight.running)
             flight.running.clear()
         results = [r for _, r in sorted(flight.done, key=lambda d: d[0])]
-        decode, reward = self.ctx.decode, self.ctx.reward_fn
-        rewards = [reward(flight.problem.prompt, decode(r.output_ids), flight.problem.answer) for r in results]
+        rewards = sample_rewards(flight.problem, results, self.ctx.reward_fn, self.ctx.decode)
         group = Group(flight.problem, results, rewards, problem_index=flight.problem_index, ticket=flight.ticket,
                       done_version=self.engine.version)
         slot = flight.slot
@@ -307,7 +301,7 @@ class RolloutProducer:
             self._window.groups_dropped += 1
             return
         flight = self._flights.pop(slot.payload)
-        self.engine.abort(list(flight.running))
+        self.rollouts.abort(list(flight.running))
         self._window.groups_aborted += 1
 
     def _publish_status(self) -> None:
@@ -331,12 +325,15 @@ def _group_to_json(group: Group) -> dict:
         "prompt": group.problem.prompt, "answer": group.problem.answer, "rewards": group.rewards,
         "problem_index": group.problem_index, "ticket": group.ticket, "done_version": group.done_version,
         "results": [{"request_id": r.request_id, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                     "logprobs": r.logprobs, "versions": r.versions, "finish_reason": r.finish_reason}
+                     "logprobs": r.logprobs, "versions": r.versions, "finish_reason": r.finish_reason,
+                     "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None}
                     for r in group.results],
     }
 
 
 def _group_from_json(data: dict) -> Group:
-    return Group(Problem(data["prompt"], data["answer"]), [GenerationResult(**r) for r in data["results"]],
+    results = [GenerationResult(**{**r, "episode": EpisodeRecord(**r["episode"]) if r.get("episode") else None})
+               for r in data["results"]]
+    return Group(Problem(data["prompt"], data["answer"]), results,
                  data["rewards"], problem_index=data["problem_index"], ticket=data["ticket"],
                  done_version=data["done_version"])

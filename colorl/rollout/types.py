@@ -28,12 +28,13 @@ class Group:
 
     @property
     def lengths(self) -> list[int]:
-        return [len(r.output_ids) for r in self.results]
+        """Tokens each sample's model generated (an episode's environment tokens are context, not counted)."""
+        return [r.sampled_tokens for r in self.results]
 
     @property
     def mixed_version_tokens(self) -> int:
         """Tokens produced by a newer version than their sample's first token (partial rollout)."""
-        return sum(sum(1 for v in r.versions if v != r.first_version) for r in self.results)
+        return sum(sum(1 for v in r.sampled_versions if v != r.first_version) for r in self.results)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RolloutWindow:
     wall_s: float = 0.0
     busy_s: float = 0.0  # inside engine.step()
     idle_s: float = 0.0  # nothing admitted: admission blocked or no work
+    env_wait_s: float = 0.0  # sequences admitted, but every one waiting on its environment (episodes)
     apply_s: float = 0.0  # writing published weights into the engine
     generated_tokens: int = 0  # tokens of samples that finished generating
     finished_samples: int = 0

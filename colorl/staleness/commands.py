@@ -5,7 +5,8 @@ predict: the closed-form model for a config, with ρ and M_tail given, taken fro
 simulate: the same configuration through the discrete-event simulator, optionally swept over
 one variable, next to the formula (rich table, JSON, PNG).
 
-Every bad input ends as one line on stderr and exit code 2.
+Every bad input ends as one line on stderr and exit code 2. A config with `task.env` (multi-turn
+episodes) gets one note line on stderr: both models have one completion per sample, no turns or tools.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Setup:
     eta: int
     lengths: LengthModel | None  # rollout.length_override
     max_new_tokens: int
+    episodes: bool = False  # task.env: a sample is a multi-turn episode, which neither model has
 
     @classmethod
     def from_config(cls, cfg: Any) -> Setup:
@@ -55,7 +57,7 @@ class Setup:
             workload=Workload(rollout.concurrency, rollout.batch_groups, rollout.group_size,
                               float(stale.queue_factor)),
             mode=cfg.mode, buffer=stale.buffer, eta=int(stale.max), lengths=lengths,
-            max_new_tokens=rollout.max_new_tokens)
+            max_new_tokens=rollout.max_new_tokens, episodes=bool(cfg.task.env))
 
     def sim_buffer(self) -> tuple[str, int | None]:
         """Colocated training is what StaleFlow with η = 0 reduces to: sync, staleness 0."""
@@ -117,6 +119,27 @@ def read_run(run_dir: str | Path) -> MeasuredRun:
 def assumed_lengths(setup: Setup) -> LengthModel:
     """Lengths when neither the config nor a run gives them: mean max_new_tokens/4, tailness 50."""
     return LengthModel(max(1.0, setup.max_new_tokens / 4), ASSUMED_TAILNESS, setup.max_new_tokens)
+
+
+def episodes_note(setup: Setup, command: str) -> str | None:
+    """One line for a multi-turn config: both models time one completion per sample, not turns and tools."""
+    if not setup.episodes:
+        return None
+    if command == "predict":
+        models, inputs = "the formula treats", "pass --from RUN_DIR for ρ and lengths measured on episodes"
+    else:
+        models, inputs = ("the simulator and the formula treat",
+                          "set --mean-len and --tailness from the episodes' sampled tokens")
+    return (f"colorl {command}: note: task.env is set: {models} each episode as one completion, so L and "
+            f"M_tail are an episode's sampled tokens over all its turns, and environment and tool time is not "
+            f"modelled ({inputs}; docs/staleness.md)")
+
+
+def _print_note(setup: Setup, command: str) -> None:
+    """On stderr, so `--json` stays one JSON document on stdout."""
+    note = episodes_note(setup, command)
+    if note:
+        print(note, file=sys.stderr)
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -306,6 +329,7 @@ def run_predict(args: argparse.Namespace) -> int:
     sources["t_period"] = "needs E[L] and v_R: pass --from or --rollout-tps"
     report = predict_report(setup, rho, m_tail, mean_len=mean_len, v_rollout=v_rollout,
                             measured=measured)
+    _print_note(setup, "predict")
     if args.json:
         print(json.dumps(report))
     else:
@@ -535,6 +559,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         rows.append(simulate_point(setup, point, args.steps, args.seed))
     if args.plot:
         plot_rows(rows, field, setup, Path(args.plot))
+    _print_note(setup, "simulate")
     if args.json:
         print(json.dumps(rows if field else rows[0]))
     else:

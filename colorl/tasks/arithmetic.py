@@ -1,16 +1,22 @@
-"""Addition problems, generated and seeded. One-digit addition gives SmolLM2-135M a good GRPO signal.
+"""Addition (or multiplication) problems, generated and seeded. One-digit addition gives SmolLM2-135M
+a good GRPO signal.
 
 Train and eval are split by operand pair (every fifth pair, by a seeded shuffle, is held out),
 so eval prompts are never trained on.
+
+Options: `digits` (1..6), `eval_fraction`, `operator` ("+" or "*"), and `suffix`, the instruction
+after the question ("" drops it: the calculator environment gives its own instructions).
 """
 from __future__ import annotations
 
 import random
+from operator import add, mul
 
 from colorl.tasks.base import Problem, check_options, register
 from colorl.tasks.rewards import math_reward
 
 SUFFIX = "Reply with only the number."
+OPERATORS = {"+": add, "*": mul}
 
 
 @register("arithmetic")
@@ -18,8 +24,11 @@ class ArithmeticTask:
     name = "arithmetic"
 
     def __init__(self, seed: int, options: dict) -> None:
-        opts = check_options(self.name, options, {"digits": int, "eval_fraction": float})
+        opts = check_options(self.name, options, {"digits": int, "eval_fraction": float, "operator": str, "suffix": str})
         digits = opts.get("digits", 1)
+        self._operator, self._suffix = opts.get("operator", "+"), opts.get("suffix", SUFFIX)
+        if self._operator not in OPERATORS:
+            raise ValueError(f"task.options.operator={self._operator!r}: allowed {sorted(OPERATORS)}")
         if not 1 <= digits <= 6:
             raise ValueError(f"task.options.digits={digits}: allowed 1..6")
         low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
@@ -54,7 +63,9 @@ class ArithmeticTask:
 
     def _problem(self, pair: tuple[int, int]) -> Problem:
         a, b = pair
-        return Problem(prompt=f"What is {a} + {b}? {SUFFIX}", answer=str(a + b))
+        question = f"What is {a} {self._operator} {b}?"
+        return Problem(prompt=f"{question} {self._suffix}" if self._suffix else question,
+                       answer=str(OPERATORS[self._operator](a, b)))
 
     def train_problem(self, index: int) -> Problem:
         return self._problem(self._pair("train", index))

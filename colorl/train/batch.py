@@ -14,6 +14,9 @@ def build_batch(groups: list[Group], std_norm: bool, pad_id: int, drop_zero_vari
     Their sequences stay in the batch (so the batch still lists every rollout) but are never run:
     the trainer skips sequences with no trained token. `pad_id` is unused since nothing is padded;
     it stays in the signature the modes call.
+
+    Only the model's own tokens train (an episode's `loss_mask`), and none of an episode whose
+    environment faulted: its reward 0 still counts in its group's mean and spread.
     """
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, S]
     advantages = group_advantages(rewards, std_norm).flatten()  # [G*S]
@@ -21,6 +24,8 @@ def build_batch(groups: list[Group], std_norm: bool, pad_id: int, drop_zero_vari
     for g in groups:
         keep = float(not drop_zero_variance or g.has_signal)
         for r in g.results:
-            p, o = len(r.prompt_ids), len(r.output_ids)
-            sequences.append((r.prompt_ids + r.output_ids, [0.0] * p + [keep] * o, [0.0] * p + list(r.logprobs)))
+            sampled = r.loss_mask if r.loss_mask is not None else [1] * len(r.output_ids)  # episodes: not the env's tokens
+            trained = keep * (r.episode is None or r.episode.fault is None)  # an environment fault is not the model's
+            sequences.append((r.prompt_ids + r.output_ids, [0.0] * len(r.prompt_ids) + [trained * m for m in sampled],
+                              [0.0] * len(r.prompt_ids) + list(r.logprobs)))
     return TrainBatch.from_sequences(sequences, advantages)

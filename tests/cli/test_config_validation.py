@@ -32,6 +32,12 @@ CASES = [
     (["rollout"], ["key=value"]),
     (["run.steps.x=1"], ["run.steps", "not a section"]),
     (["rollout.engine=sglang", "launch.device=cpu"], ["sglang", "CUDA"]),
+    (["task.env=chess"], ["task.env", "chess", "calculator"]),
+    (["task.env=calculator", "task.reward=reward_fns:digit_fraction"], ["task.reward", "environment gives"]),
+    (["task.env_options={latency: 1}"], ["task.env_options", "task.env"]),
+    (["task.env=calculator", "task.env_options={colour: red}"], ["task.env_options", "colour", "CalculatorEnv"]),
+    (["task.env=calculator", "rollout.length_override={mean: 8, tailness: 50, cap: 16}"],
+     ["rollout.length_override", "multi-turn"]),
 ]
 
 

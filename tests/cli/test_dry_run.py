@@ -23,12 +23,25 @@ def _no_template_model(folder: Path) -> Path:
     return folder
 
 
+def _rewriting_template_model(folder: Path) -> Path:
+    """A template that hides past assistant turns: multi-turn episodes cannot extend it."""
+    save_tiny_model(folder)
+    template = (folder / "chat_template.jinja").read_text()
+    rewriting = template.replace("{{ message['content'] }}", "{% if message['role'] == 'assistant' and not loop.last %}"
+                                 "[earlier]{% else %}{{ message['content'] }}{% endif %}")
+    assert rewriting != template
+    (folder / "chat_template.jinja").write_text(rewriting)
+    return folder
+
+
 # (name, extra argv given a tmp folder, words of the one-line error both must print)
 LAUNCH_CHECKS = [
     ("context length", lambda tmp: ["--set", "rollout.max_new_tokens=600"], ["rollout.max_new_tokens=600", "context of 512"]),
     ("model folder", lambda tmp: ["--set", f"model.path={tmp / 'none'}"], ["model.path", "not a folder"]),
     ("chat template", lambda tmp: ["--set", f"model.path={_no_template_model(tmp / 'bare')}"], ["cannot build a chat prompt"]),
     ("devices", lambda tmp: ["--device", "cuda"], ["launch.device=cuda", "no CUDA device"]),
+    ("episode template", lambda tmp: ["--set", f"model.path={_rewriting_template_model(tmp / 'rw')}",
+                                      "--set", "task.env=calculator"], ["task.env='calculator'", "rewrites earlier turns"]),
     ("resume point", lambda tmp: ["--resume"], ["no complete checkpoint"]),
 ]
 

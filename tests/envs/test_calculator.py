@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from colorl.envs import Conversation, EnvRunner, Message, resolve_env
-from colorl.envs.calculator import MAX_CHARS, CalculatorEnv, CalculatorError, evaluate, format_number
+from colorl.envs import Conversation, EnvRunner, Message, parse_tool_calls, resolve_env
+from colorl.envs.calculator import EXAMPLES, MAX_CHARS, CalculatorEnv, CalculatorError, _run, evaluate, format_number
 from colorl.tasks.base import Problem
 
 PROBLEM = Problem("What is 12 * 7 + 5? Reply with only the number.", "89")
@@ -64,6 +64,14 @@ def test_it_is_registered_and_opens_with_its_system_turn_and_the_problem():
     assert resolve_env("calculator") is CalculatorEnv
     opening = CalculatorEnv(PROBLEM).reset()
     assert [m.role for m in opening] == ["system", "user"] and opening[1].content == PROBLEM.prompt
+    shown = CalculatorEnv(PROBLEM, examples=True).reset()[1].content
+    assert shown == EXAMPLES + PROBLEM.prompt
+
+
+def test_the_example_calls_it_shows_are_calls_it_runs():
+    calls = parse_tool_calls(EXAMPLES, CalculatorEnv.tools)
+    assert [c.arguments["expression"] for c in calls] == ["31 * 4", "52 + 17"]
+    assert [_run(c).content for c in calls] == ["124", "69"]
 
 
 def test_tool_calls_get_results_and_the_final_answer_is_scored():

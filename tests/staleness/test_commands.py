@@ -105,6 +105,25 @@ def test_predict_colocated_gives_no_async_advice_and_assumes_m_tail_aloud(capsys
     assert "η=0" in capsys.readouterr().out  # the same η as predict for the same config
 
 
+@pytest.mark.parametrize("command", ["predict", "simulate"])
+def test_multi_turn_configs_get_one_note_that_episodes_are_not_modelled(config, capsys, command):
+    """With task.env a sample is an episode (turns, tool time) that both models treat as one
+    completion: one note line on stderr says so, and --json stays one document on stdout."""
+    steps = ["--steps", "50"] if command == "simulate" else []
+    episodes = ["--set", "task.env=calculator", "--set", "rollout.length_override=null"]
+    assert run(command, config, *steps, "--set", "rollout.length_override=null", "--json") == 0
+    assert capsys.readouterr().err == ""  # no environment, no note
+    assert run(command, config, *steps, *episodes, "--json") == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    note = captured.err.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith(f"colorl {command}: note: task.env is set")
+    assert "M_tail" in note[0] and "not modelled" in note[0]
+    assert run(command, config, *steps, *episodes) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("note:") == 1 and "note:" not in captured.out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rho", "-1"], "--rho"),
     (["--m-tail", "0.5"], "--m-tail"),

@@ -1,0 +1,196 @@
+"""colorl/rollout/episodes.py: multi-turn episodes through a real engine on the tiny model."""
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from colorl.config import EngineConfig
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.engines.native.engine import NativeEngine
+from colorl.rollout.episodes import ENV_POLL_S, EpisodeSetup, Rollouts
+from colorl.tasks.base import Problem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+import scripted_envs  # noqa: E402
+from scripted_envs import TOOL_TEXT  # noqa: E402
+
+PROBLEM = Problem("What is 2 + 2?", "4")
+ODD = Problem("What is 2 + 3?", "5")  # the scripted misbehaving environments misbehave on odd answers
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return NativeEngine(tiny_model_dir, EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from colorl.models import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _setup(tokenizer, env=scripted_envs.ScriptedToolEnv, **limits) -> EpisodeSetup:
+    defaults = {"max_turns": 4, "turn_tokens": 6, "episode_tokens": 400, "timeout_s": 0.5}
+    return EpisodeSetup(env, tokenizer, **{**defaults, **limits})
+
+
+def _request(rid: str, seed: int = 1, max_new: int = 6) -> GenerationRequest:
+    return GenerationRequest(rid, [1], SamplingParams(max_new_tokens=max_new, seed=seed))
+
+
+def _run(engine, setup, n=1) -> list:
+    rollouts = Rollouts(engine, setup)
+    try:
+        return rollouts.generate([(_request(f"0:{s}", seed=s), PROBLEM) for s in range(n)])
+    finally:
+        rollouts.close()
+
+
+def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) runs of a 0/1 mask."""
+    spans, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            spans.append((mask[start], start, i))
+            start = i
+    return spans
+
+
+def test_an_episode_is_its_turns_and_the_tool_results_between_them(engine, tokenizer):
+    (result,) = _run(engine, _setup(tokenizer))
+    record, mask = result.episode, result.loss_mask
+    assert record.turns == 3 and record.fault is None and not record.truncated and result.finish_reason == "stop"
+    assert len(mask) == len(result.output_ids) == len(result.logprobs) == len(result.versions)
+    model_spans = [(s, e) for value, s, e in _spans(mask) if value == 1]
+    context_spans = [(s, e) for value, s, e in _spans(mask) if value == 0]
+    assert len(model_spans) == 3 and len(context_spans) == 2  # turn, tool result, turn, tool result, turn
+    assert all(e - s <= 6 for s, e in model_spans)  # task.turn_tokens per model message
+    for s, e in context_spans:  # the environment's tokens: its text, no behaviour log-prob
+        assert TOOL_TEXT in tokenizer.decode(result.output_ids[s:e])
+        assert all(lp == 0.0 for lp in result.logprobs[s:e])
+    assert all(lp < 0 for s, e in model_spans for lp in result.logprobs[s:e])
+    opening = tokenizer.decode(result.prompt_ids)
+    assert "Use the tool." in opening and "lookup" in opening and PROBLEM.prompt in opening  # tools declared
+    assert result.sampled_tokens == sum(mask) and result.first_version == engine.version
+
+
+def test_each_turn_prompts_with_the_whole_conversation_and_reuses_its_kv(engine, tokenizer):
+    seen = []
+    add = engine.add
+    hits_before = engine.scheduler.num_prefix_hit_tokens
+    try:
+        engine.add = lambda request: (seen.append(request), add(request))[1]
+        (result,) = _run(engine, _setup(tokenizer))
+    finally:
+        del engine.add
+    turns = [r for r in seen if "/turn" in r.request_id]
+    assert [r.request_id for r in turns] == ["0:0/turn0", "0:0/turn1", "0:0/turn2"]
+    everything = result.prompt_ids + result.output_ids
+    for turn in turns:
+        assert everything[:len(turn.prompt_ids)] == turn.prompt_ids  # a prefix of the final episode
+    assert len(turns[2].prompt_ids) > len(turns[1].prompt_ids) > len(turns[0].prompt_ids) == len(result.prompt_ids)
+    assert engine.scheduler.num_prefix_hit_tokens > hits_before  # later turns found the earlier turns' KV
+
+
+def test_the_same_seeds_give_the_same_episodes(engine, tokenizer):
+    first, second = _run(engine, _setup(tokenizer), n=2), _run(engine, _setup(tokenizer), n=2)
+    assert [r.output_ids for r in first] == [r.output_ids for r in second]
+    assert first[0].output_ids != first[1].output_ids
+
+
+@pytest.mark.parametrize("env, fault", [(scripted_envs.RaisingEnv, "raised"), (scripted_envs.HangingEnv, "timeout"),
+                                        (scripted_envs.GarbageEnv, "invalid"),
+                                        (scripted_envs.BrokenConstructorEnv, "raised")])
+def test_a_faulty_environment_ends_only_its_episode_with_reward_0(engine, tokenizer, env, fault):
+    rollouts = Rollouts(engine, _setup(tokenizer, env=env, timeout_s=0.3))
+    try:
+        results = rollouts.generate([(_request("0:0"), ODD), (_request("1:0"), PROBLEM)])
+    finally:
+        rollouts.close()
+    done = {r.request_id: r for r in results}
+    assert done["0:0"].episode.fault == fault and done["0:0"].episode.reward == 0.0
+    assert done["1:0"].episode.fault is None and done["1:0"].episode.turns == 3
+
+
+class BlockedToolEnv(scripted_envs.ScriptedToolEnv):
+    """On odd answers, every tool step blocks until the test releases it."""
+
+    release = threading.Event()
+
+    def step(self, assistant_text: str):
+        if scripted_envs.misbehaves(self.problem):
+            assert self.release.wait(timeout=20), "never released"
+        return super().step(assistant_text)
+
+
+def test_a_slow_tool_does_not_hold_the_other_sequences(engine, tokenizer):
+    """The blocked episode's step runs on the pool: the other one decodes to its end meanwhile (were the
+    tool run on the engine's loop, the other episode could never finish and the tool never be released)."""
+    BlockedToolEnv.release.clear()
+    rollouts = Rollouts(engine, _setup(tokenizer, env=BlockedToolEnv, timeout_s=30.0))
+    order = []
+    try:
+        rollouts.start(_request("1:0"), ODD)
+        rollouts.start(_request("0:0"), PROBLEM)
+        while rollouts.has_unfinished():
+            finished = [r.request_id for r in rollouts.step()]
+            order += finished
+            if "0:0" in finished:  # only the blocked episode is left: the engine idles, waiting on its tool
+                assert [rollouts.step() for _ in range(3)] == [[], [], []]
+                BlockedToolEnv.release.set()
+    finally:
+        BlockedToolEnv.release.set()
+        rollouts.close()
+    assert order == ["0:0", "1:0"]
+    assert rollouts.take_env_wait_s() > 2 * ENV_POLL_S  # counted: the engine had nothing to decode
+
+
+def test_max_turns_and_the_token_caps_end_an_episode_with_reward_0(engine, tokenizer):
+    (turns,) = _run(engine, _setup(tokenizer, env=scripted_envs.NeverDoneEnv, max_turns=2))
+    assert turns.episode.turns == 2 and turns.episode.truncated and turns.episode.reward == 0.0
+    assert turns.finish_reason == "length"
+    (tokens,) = _run(engine, _setup(tokenizer, env=scripted_envs.NeverDoneEnv, max_turns=50, episode_tokens=60))
+    assert tokens.episode.truncated and tokens.episode.reward == 0.0 and len(tokens.output_ids) <= 60
+
+
+def test_interrupted_turns_resume_with_their_tokens(engine, tokenizer):
+    """The bounded-lag loop interrupts in-flight turns (a weight update, an eval) and resumes them."""
+    plain = _run(engine, _setup(tokenizer), n=2)
+    rollouts = Rollouts(engine, _setup(tokenizer))
+    try:
+        for s in range(2):
+            rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
+        done, steps = {}, 0
+        while rollouts.has_unfinished():
+            done.update({r.request_id: r for r in rollouts.step()})
+            steps += 1
+            if steps % 3 == 0:  # park everything mid-turn, then continue where it stopped
+                rollouts.resume(rollouts.interrupt(["0:0", "0:1"], keep_kv=steps % 2 == 0))
+    finally:
+        rollouts.close()
+    assert [done[f"0:{s}"].output_ids for s in range(2)] == [r.output_ids for r in plain]
+
+
+def test_without_an_environment_samples_are_the_engines_completions(engine):
+    request = _request("0:0", max_new=5)
+    rollouts = Rollouts(engine)
+    (result,) = rollouts.generate([(request, PROBLEM)])
+    (direct,) = engine.generate([replace(request, request_id="x")])
+    assert result.output_ids == direct.output_ids and result.loss_mask is None and result.episode is None
+
+
+def test_task_env_options_reach_the_environments_constructor(engine, tokenizer):
+    from colorl.config import load_config
+    from colorl.envs.calculator import CalculatorEnv
+
+    cfg = load_config("configs/tiny.yaml", ["task.env=calculator", "task.env_options={latency_s: 0.05}",
+                                            "task.max_turns=1"], check_paths=False)
+    setup = EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer)
+    assert setup.env_class is CalculatorEnv and setup.options == {"latency_s": 0.05}
+    (result,) = _run(engine, setup)
+    assert result.episode.turns == 1 and result.episode.env_seconds >= 0.05  # the one step slept
