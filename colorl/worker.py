@@ -274,7 +274,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
                       enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None,
-                      episodes=cfg.task.env is not None)
+                      episodes=cfg.task.env is not None, temperature=cfg.rollout.temperature)
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite,

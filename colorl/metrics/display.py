@@ -1,6 +1,6 @@
 """What the user watches: a rich live panel on a terminal, one plain line per step otherwise.
 
-Two accuracies are shown and labelled apart: `train acc (T=1)` is the share of this step's
+Two accuracies are shown and labelled apart: `train acc (T=t)` is the share of this step's
 training samples (drawn at the rollout temperature) that were right; `held-out (greedy)` is the
 periodic evaluation on prompts never trained on. The ETA uses the median wall time of the
 steps after the first one this process ran (which carries warm-up and the initial evaluation).
@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.table import Table
 
 _SHOWN = (
-    ("reward", "reward_mean", "{:.3f}"), ("train acc (T=1)", "accuracy", "{:.1%}"),
+    ("reward", "reward_mean", "{:.3f}"), ("train acc (T={temperature:g})", "accuracy", "{:.1%}"),
     ("held-out (greedy)", "eval_accuracy", "{:.1%}"),
     ("resp len", "response_len_mean", "{:.1f}"), ("staleness", "staleness_mean", "{:.2f}"),
     ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"), ("train tok/s", "train_tokens_per_s", "{:.0f}"),
@@ -75,11 +75,14 @@ def _clock(seconds: float | None) -> str:
 
 class Display:
     def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True,
-                 eta: int | None = None, episodes: bool = False) -> None:
-        """eta: bounded-lag mode's staleness bound η (None in colocated mode); episodes: task.env is set."""
+                 eta: int | None = None, episodes: bool = False, temperature: float = 1.0) -> None:
+        """eta: bounded-lag mode's staleness bound η (None in colocated mode); episodes: task.env is set;
+        temperature: the rollout's, which the training accuracy is sampled at."""
         self.console = Console(stderr=False)
         self.total, self.first, self.title, self.eta, self.episodes = total_steps, first_step, title, eta, episodes
-        self.shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ()) + (_SHOWN_EPISODES if episodes else ())
+        self.temperature = temperature
+        shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ()) + (_SHOWN_EPISODES if episodes else ())
+        self.shown = tuple((label.format(temperature=temperature), key, fmt) for label, key, fmt in shown)
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
         self.phase_name, self.step, self.last = "start", first_step, {}
@@ -158,7 +161,7 @@ class Display:
                         ("idle", "engine_idle_frac", "{:.0%}")]
         if self.episodes:
             columns += [("turns", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}")]
-        summary = Table(title=f"colorl · steps (train acc at T=1, held-out greedy{'' if self.eta is None else f'; η = {self.eta}'})")
+        summary = Table(title=f"colorl · steps (train acc at T={self.temperature:g}, held-out greedy{'' if self.eta is None else f'; η = {self.eta}'})")
         for name, _, _ in columns:
             summary.add_column(name, justify="right")
         for record in history:

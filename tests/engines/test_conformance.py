@@ -1,7 +1,7 @@
 """One conformance matrix over every engine: the same interface, and whole runs of both modes.
 
 The engine list is `COLUMNS`, the one place to add an engine: each column gets the signature check
-against colorl/engines/base.py's `Engine` and three whole runs through the real launcher on the
+against colorl/engines/base.py's `Engine` and four whole runs through the real launcher on the
 tiny model, each with the checkpoint engine's bit-exact check after every sync and applied version
 (colorl/sync/verify.py, as `colorl doctor` runs it; a difference fails the run):
 
@@ -11,6 +11,7 @@ tiny model, each with the checkpoint engine's bit-exact check after every sync a
     bounded-lag  LoRA, eval, zero-variance filter with batch-level redundancy at G/world = 1 (one
                  surplus entry, η = 1); staleness within η, no prompt trained twice, and resumed
                  from step 2 no prompt handed out before the save is lost
+    bounded-lag  multi-turn episodes with a scripted tool environment, η = 1
 
 The SGLang column is colorl's real adapter over the CPU stand-in of the package
 (tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py.
@@ -188,3 +189,18 @@ def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column,
     # (completed groups, tickets in flight) or tickets it had not handed out yet: its data position
     held = {*saved["reissue"], *(c["group"]["ticket"] for c in saved["completed"])}
     assert all(t in held or t >= saved["next_ticket"] for t in lines[2]["trained_problems"]), (saved, lines[2])
+
+
+@pytest.mark.timeout(300)
+def test_bounded_lag_multi_turn_episodes(column, tmp_path):
+    """Episodes with a scripted tool environment (tests/helpers/scripted_envs.py): each engine serves every
+    turn with the whole conversation as its prompt, across weight versions, within η."""
+    keep = engine_class(column.engine).keeps_kv_across_updates
+    sets = ["run.steps=2", "mode=bounded_lag", "staleness.max=1", f"staleness.partial_rollout={'keep' if keep else 'recompute'}",
+            "task.reward=null", "task.env=scripted_envs:ScriptedToolEnv", "task.max_turns=4", "filter.zero_variance=false"]
+    (report,) = checked_run(column, sets, tmp_path / "run")
+    assert report["checked_versions"][0] == 0
+    lines = metrics(tmp_path / "run")
+    assert_common(lines, 2, eta=1)
+    assert all(r["episode_turns_mean"] == 3 and r["env_errors"] == 0 and r["episodes_truncated"] == 0 for r in lines)
+    assert all(r["episode_len_mean"] > r["response_len_mean"] > 0 for r in lines)  # tool results: context only

@@ -44,3 +44,15 @@ def test_jsonl_task_reads_problems_and_reports_bad_lines(tmp_path):
 def test_unknown_task_option_is_rejected():
     with pytest.raises(TaskOptionError, match="task.options.colour"):
         build_task(TaskConfig(name="arithmetic", options={"colour": 1}), seed=0)
+
+
+def test_arithmetic_products_and_the_suffix_option():
+    plain = build_task(TaskConfig(name="arithmetic", options={"digits": 2}), seed=3)
+    products = build_task(TaskConfig(name="arithmetic", options={"digits": 2, "operator": "*", "suffix": ""}), seed=3)
+    for i in range(20):
+        a, b = (int(x) for x in plain.train_problem(i).prompt.split("?")[0].removeprefix("What is ").split(" + "))
+        assert plain.train_problem(i).prompt == f"What is {a} + {b}? Reply with only the number."  # the default
+        assert products.train_problem(i).prompt == f"What is {a} * {b}?"  # same operand pairs, no suffix
+        assert products.train_problem(i).answer == str(a * b)
+    with pytest.raises(ValueError, match="task.options.operator='-'"):
+        build_task(TaskConfig(name="arithmetic", options={"operator": "-"}), seed=0)
