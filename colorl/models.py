@@ -209,3 +209,10 @@ def meta_model(hf_config, dtype: torch.dtype = torch.float32):
     """The model a config describes, on the `meta` device: names, shapes and sizes, no memory."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def context_length(model_dir: Path) -> int | None:
+    """The model's context in tokens (`max_position_embeddings`), if its config says."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)

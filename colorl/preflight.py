@@ -66,8 +66,8 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     skips the model checks, each with a warning."""
     from colorl.config import ConfigError
     from colorl.models import (
-        SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, encode_chat, is_hub_id, load_tokenizer,
-        resolve_model_path,
+        SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, context_length, encode_chat, is_hub_id,
+        load_tokenizer, resolve_model_path,
     )
     from colorl.tasks import build_task
 
@@ -94,7 +94,7 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if cfg.task.env:
         _check_episodes(cfg, tokenizer)
-    context = _context_length(model_dir)
+    context = context_length(model_dir)
     if context is not None and longest + cfg.rollout.max_new_tokens > context:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: with the longest prompt "
                           f"({longest} tokens) it exceeds the model's context of {context} tokens; "
@@ -140,7 +140,3 @@ def cpu_bf16_note(cfg, device: str) -> str | None:
             f"float32 here; for speed use float32 (unset {key})")
 
 
-def _context_length(model_dir: Path) -> int | None:
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)

@@ -24,7 +24,7 @@ from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
 from colorl.rollout.episodes import EpisodeSetup
-from colorl.models import encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
+from colorl.models import context_length, encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
@@ -278,7 +278,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite,
-                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer), resumed_from=step)
+                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer, context_length(model_dir)),
+                      resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "

@@ -124,6 +124,11 @@ class VLLMEngine(Engine):
         if self._cuda:
             options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True)
         else:
+            # whole prompts only: a chunked prefill discards its partial step's sampled token and rewinds a
+            # seeded request's generator (`set_offset`), which torch's CPU generator refuses (seen with the
+            # long prompts of multi-turn episodes)
+            options.update(enable_chunked_prefill=False,
+                           max_num_batched_tokens=max(options["max_num_batched_tokens"], options["max_model_len"]))
             options.update(enforce_eager=not compile_on_cpu, kv_cache_memory_bytes=(
                 engine_cfg.num_blocks * CPU_KV_BYTES_PER_BLOCK if engine_cfg.num_blocks else CPU_KV_DEFAULT_BYTES))
         self._llm = LLM(**options)

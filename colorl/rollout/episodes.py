@@ -16,7 +16,7 @@ Without an environment a sample is one engine request and `Rollouts` adds nothin
 An episode also ends, with reward 0, when the environment faults (raises, hangs past
 `env_timeout_s`, answers with something that is not an EnvStep: colorl/envs/guard.py), after
 `max_turns` model messages, or when its tokens after the opening prompt would pass
-`episode_tokens`. The finished sample is one `GenerationResult`: the opening prompt, then every
+`episode_tokens` (or the conversation would leave no room in the model's context). The finished sample is one `GenerationResult`: the opening prompt, then every
 later token with its loss mask, behaviour log-prob and version, and an `EpisodeRecord`.
 
 While every live episode waits on its environment, the engine has nothing to decode: that time
@@ -35,7 +35,7 @@ from colorl.envs.base import EpisodeRecord
 from colorl.tasks.base import Problem
 
 ENV_POLL_S = 0.005  # how long a step waits on an environment when the engine has nothing to decode
-TURN_SEED_STRIDE = 1_000_000_007  # turn t of a sample samples with seed + t * stride: each turn its own stream
+TURN_SEED_STRIDE = 1_000_003  # turn t of a sample samples with seed + t * stride (mod 2**31): each turn its own stream
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,17 @@ class EpisodeSetup:
     timeout_s: float
     workers: int = 8
     options: dict = field(default_factory=dict)  # task.env_options, the constructor's keyword arguments
+    context: int | None = None  # the model's context: a turn whose prompt and answer would not fit is not run
 
     @classmethod
-    def from_config(cls, task_cfg, rollout_cfg, tokenizer) -> EpisodeSetup | None:
+    def from_config(cls, task_cfg, rollout_cfg, tokenizer, context: int | None = None) -> EpisodeSetup | None:
         if not task_cfg.env:
             return None
         from colorl.envs import resolve_env
 
         return cls(resolve_env(task_cfg.env), tokenizer, task_cfg.max_turns,
                    task_cfg.turn_tokens or rollout_cfg.max_new_tokens, task_cfg.episode_tokens,
-                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options))
+                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options), context)
 
 
 @dataclass
@@ -226,11 +227,13 @@ class Rollouts:
     def _next_turn(self, episode: _Episode) -> None:
         used = len(episode.conversation.token_ids) - episode.prompt_len
         budget = min(self.setup.turn_tokens, self.setup.episode_tokens - used)
+        if self.setup.context is not None:  # the whole conversation is the turn's prompt
+            budget = min(budget, self.setup.context - len(episode.conversation.token_ids))
         if budget < 1:
             self._finish(episode, 0.0, truncated=True)
             return
         params = episode.request.params
-        seed = None if params.seed is None else (params.seed + episode.turns * TURN_SEED_STRIDE) % 2**63
+        seed = None if params.seed is None else (params.seed + episode.turns * TURN_SEED_STRIDE) % 2**31
         episode.turn = GenerationRequest(f"{episode.request.request_id}/turn{episode.turns}",
                                          list(episode.conversation.token_ids),
                                          replace(params, max_new_tokens=budget, seed=seed))

@@ -197,7 +197,7 @@ def test_bounded_lag_multi_turn_episodes(column, tmp_path):
     turn with the whole conversation as its prompt, across weight versions, within η."""
     keep = engine_class(column.engine).keeps_kv_across_updates
     sets = ["run.steps=2", "mode=bounded_lag", "staleness.max=1", f"staleness.partial_rollout={'keep' if keep else 'recompute'}",
-            "task.reward=null", "task.env=scripted_envs:ScriptedToolEnv", "task.max_turns=4", "filter.zero_variance=false"]
+            "task.reward=null", "task.env=scripted_envs:ShortScriptedEnv", "task.max_turns=4", "filter.zero_variance=false"]
     (report,) = checked_run(column, sets, tmp_path / "run")
     assert report["checked_versions"][0] == 0
     lines = metrics(tmp_path / "run")

@@ -194,3 +194,17 @@ def test_task_env_options_reach_the_environments_constructor(engine, tokenizer):
     assert setup.env_class is CalculatorEnv and setup.options == {"latency_s": 0.05}
     (result,) = _run(engine, setup)
     assert result.episode.turns == 1 and result.episode.env_seconds >= 0.05  # the one step slept
+
+
+def test_an_episode_ends_when_the_next_turn_would_not_fit_the_models_context(engine, tokenizer):
+    seen = []
+    add = engine.add
+    (full,) = _run(engine, _setup(tokenizer))
+    context = len(full.prompt_ids) + 12  # room for the first turn (6 tokens) and little more
+    try:
+        engine.add = lambda request: (seen.append(request), add(request))[1]
+        (cut,) = _run(engine, replace(_setup(tokenizer), context=context))
+    finally:
+        del engine.add
+    assert cut.episode.truncated and cut.episode.reward == 0.0 and cut.episode.turns < 3
+    assert all(len(r.prompt_ids) + r.params.max_new_tokens <= context for r in seen)

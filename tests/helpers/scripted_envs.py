@@ -83,3 +83,9 @@ class BrokenConstructorEnv(ScriptedToolEnv):
         if misbehaves(problem):
             raise ValueError("cannot build")
         super().__init__(problem)
+
+
+class ShortScriptedEnv(ScriptedToolEnv):
+    """The same script with no tools declared: a short opening prompt, for models with a small context."""
+
+    tools = ()
