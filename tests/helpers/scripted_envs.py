@@ -41,7 +41,14 @@ class ScriptedToolEnv(Environment):
         return EnvStep([Message("tool", TOOL_TEXT, name="lookup")], done=False)
 
 
-class SlowToolEnv(ScriptedToolEnv):
+class ShortScriptedEnv(ScriptedToolEnv):
+    """The same script with no tools declared: a short opening prompt, which the tiny model's 512-token
+    context holds for all three turns (the declaration alone nearly fills it). The ones below are short too."""
+
+    tools = ()
+
+
+class SlowToolEnv(ShortScriptedEnv):
     """Each step takes 0.3 s on a misbehaving problem: the tool latency the bounded-lag mode overlaps."""
 
     def step(self, assistant_text: str) -> EnvStep:
@@ -50,20 +57,20 @@ class SlowToolEnv(ScriptedToolEnv):
         return super().step(assistant_text)
 
 
-class NeverDoneEnv(ScriptedToolEnv):
+class NeverDoneEnv(ShortScriptedEnv):
     """Answers every message: the episode ends at task.max_turns or its token cap."""
 
     tool_turns = 10**9
 
 
-class RaisingEnv(ScriptedToolEnv):
+class RaisingEnv(ShortScriptedEnv):
     def step(self, assistant_text: str) -> EnvStep:
         if misbehaves(self.problem):
             raise RuntimeError("the tool crashed")
         return super().step(assistant_text)
 
 
-class HangingEnv(ScriptedToolEnv):
+class HangingEnv(ShortScriptedEnv):
     def step(self, assistant_text: str) -> EnvStep:
         if misbehaves(self.problem):
             time.sleep(1.5)
@@ -71,21 +78,15 @@ class HangingEnv(ScriptedToolEnv):
         return super().step(assistant_text)
 
 
-class GarbageEnv(ScriptedToolEnv):
+class GarbageEnv(ShortScriptedEnv):
     def step(self, assistant_text: str):
         if misbehaves(self.problem):
             return {"reward": 1.0}
         return super().step(assistant_text)
 
 
-class BrokenConstructorEnv(ScriptedToolEnv):
+class BrokenConstructorEnv(ShortScriptedEnv):
     def __init__(self, problem) -> None:
         if misbehaves(problem):
             raise ValueError("cannot build")
         super().__init__(problem)
-
-
-class ShortScriptedEnv(ScriptedToolEnv):
-    """The same script with no tools declared: a short opening prompt, for models with a small context."""
-
-    tools = ()
