@@ -92,7 +92,7 @@ class EnvRunner:
 
     def submit_open(self, build: Callable[[], Environment], timeout_s: float) -> PendingStep:
         """Build the environment and reset it, both on the pool (a slow constructor holds no loop);
-        `PendingStep.env` is the environment once built."""
+        `PendingStep.built` holds the environment once built."""
         built: list[Environment] = []
 
         def open_episode() -> Any:
