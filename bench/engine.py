@@ -24,6 +24,11 @@ by what the operators do (products, attention, KV writes, elementwise, sampling;
 wall time is Python and dispatch), for every engine whose work is torch operators (vLLM's CPU
 build is: its kernels are registered torch ops).
 
+With --isa avx2 every library in both engines' processes runs its AVX2 code on an AVX-512 machine
+(torch's ATen and oneDNN held to AVX2, the native loops built for x86-64-v3, vLLM's AVX2 kernel
+library loaded instead of its AVX-512 one): what an AVX2-only CPU would run, on this machine's
+memory and cores. It is an emulation; a real AVX2 CPU's own figures may differ.
+
 Results: bench/results/engine.json; summary in bench/README.md ("Native engine (issue 3)").
 """
 from __future__ import annotations
@@ -81,10 +86,16 @@ def build_requests(args, engine_name: str, model_dir: Path):
     return requests, budgets
 
 
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "COLORL_CPU_DECODE_ARCH": "x86-64-v3"}
+
+
 def make_engine(name: str, model_dir: Path, dtype: torch.dtype, vllm_compiled: bool = False):
     from colorl.config import EngineConfig
     from colorl.engines import build_engine
 
+    if name == "vllm" and os.environ.get("COLORL_CPU_DECODE_ARCH") == AVX2_ENV["COLORL_CPU_DECODE_ARCH"]:
+        # --isa avx2: vLLM picks its kernel library by what torch says the CPU has
+        torch.cpu._is_avx512_supported = torch.cpu._is_avx512_bf16_supported = lambda: False
     if name == "vllm" and vllm_compiled:
         from colorl.engines.vllm import VLLMEngine
 
@@ -268,7 +279,8 @@ def spawn(args, worker: str, **extra) -> dict:
         cmd.append("--split")
     if args.vllm_compiled:
         cmd.append("--vllm-compiled")
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           **(AVX2_ENV if args.isa == "avx2" else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -296,6 +308,8 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="also split each rollout's time by operator kind")
     parser.add_argument("--vllm-compiled", action="store_true",
                         help="vLLM with its default CPU set-up (torch.compile, ~90 s warm-up) instead of eager mode")
+    parser.add_argument("--isa", default="native", choices=["native", "avx2"],
+                        help="avx2: run both engines' AVX2 code on this (AVX-512) machine, an emulated AVX2-only CPU")
     parser.add_argument("--worker", choices=["native", "hf", "vllm", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -311,7 +325,7 @@ def main() -> None:
     report = {
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
                     "torch": torch.__version__, "load_avg_at_start": os.getloadavg()},
-        "model": args.model, "dtype": args.dtype, "vllm_compiled": args.vllm_compiled,
+        "model": args.model, "dtype": args.dtype, "vllm_compiled": args.vllm_compiled, "isa": args.isa,
         "prompts": args.prompts, "samples": args.samples,
         "length_model": {"mean": args.mean, "tailness": args.tailness, "cap": args.cap, "seed": args.seed},
         "workloads": {},

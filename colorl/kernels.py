@@ -186,7 +186,8 @@ def machine_key() -> str:
     except OSError:
         info = platform.processor()
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    caps = "".join(f" {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA",) if os.environ.get(name))
+    caps = "".join(f" {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+                   if os.environ.get(name))
     return f"{hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]} torch {torch.__version__}{caps}"
 
 

@@ -38,65 +38,95 @@ def test_rows_kernel_equals_f_linear(compiled, rows):
     torch.testing.assert_close(compiled.linear(x, weight[:7], None), F.linear(x, weight[:7]), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", range(1, cpu_decode.MAX_ROWS + 1))
+def test_bf16_rows_kernel_equals_the_float32_product_rounded_once(compiled, rows):
+    """bf16 in, float32 sums, one rounding to bf16 at the end: at most one bf16 step from the
+    float32 product of the same bf16 values (the sums' order differs), as torch's bf16 product."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = (t.bfloat16() for t in (torch.randn(rows, 83, generator=gen), torch.randn(200, 83, generator=gen),
+                                              torch.randn(200, generator=gen)))
+    for b in (bias, None):
+        out = compiled.linear(x, weight, b)
+        assert out.dtype == torch.bfloat16
+        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        step = torch.finfo(torch.bfloat16).eps * exact.abs()  # one bf16 step at each value (x2 margin below)
+        assert ((out.float() - exact).abs() <= 2 * step + 1e-6).all()
+        torch.testing.assert_close(out, F.linear(x, weight, b), atol=0.05, rtol=0.02)
+
+
 def test_rows_kernel_refuses_more_rows_than_it_has(compiled):
     with pytest.raises(ValueError, match="rows"):
         compiled.linear(torch.randn(cpu_decode.MAX_ROWS + 1, 8), torch.randn(4, 8), None)
 
 
-def test_add_rms_norm_updates_the_stream_in_place(compiled):
+# float32: float32 rounding apart; bfloat16: one bf16 step apart (the reference rounds its
+# intermediates where HF's modules do; the loops sum in another order)
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_add_rms_norm_updates_the_stream_in_place(compiled, dtype):
     gen = torch.Generator().manual_seed(0)
-    x, delta, weight = (torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen), torch.randn(40, generator=gen))
+    x, delta, weight = (torch.randn(5, 40, generator=gen).to(dtype), torch.randn(5, 40, generator=gen).to(dtype),
+                        torch.randn(40, generator=gen).to(dtype))
     stream = x + delta
-    expected = weight * (stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6))
+    wide = stream.float()
+    expected = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     out = compiled.add_rms_norm(x, delta, weight, 1e-6)
-    torch.testing.assert_close(x, stream)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(compiled.add_rms_norm(stream.clone(), None, weight, 1e-6), expected, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(x, stream, atol=0, rtol=0)  # the same rounded sums
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(compiled.add_rms_norm(stream.clone(), None, weight, 1e-6), expected, **TOLERANCE[dtype])
 
 
-def test_silu_mul(compiled):
-    gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_silu_mul(compiled, dtype):
+    gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(0)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(compiled.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(compiled.silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
-def test_rope_and_kv_write_equal_rotate_half_and_index_copy(compiled):
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_rope_and_kv_write_equal_rotate_half_and_index_copy(compiled, dtype):
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, tokens = 4, 2, 16, 6
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     angles = torch.rand(50, dim // 2, generator=gen) * 6
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()  # [P, D]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()  # [P, D], float32
     positions, slots = torch.tensor([0, 3, 7, 8, 40, 49]), torch.tensor([5, 1, 9, 2, 0, 11])
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-    c, s = cos[positions][:, None], sin[positions][:, None]
+    c, s = cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
     q_ref = _rotate(q.reshape(tokens, heads, dim), c, s)
     k_ref = _rotate(k.reshape(tokens, kv_heads, dim), c, s)
-    cache_ref = torch.zeros(12, 2, kv_heads, dim)
+    cache_ref = torch.zeros(12, 2, kv_heads, dim, dtype=dtype)
     cache_ref.index_copy_(0, slots, torch.stack((k_ref, v.reshape(tokens, kv_heads, dim)), 1))
-    cache = torch.zeros(12, 2, kv_heads, dim)
+    cache = torch.zeros(12, 2, kv_heads, dim, dtype=dtype)
     compiled.rope_write_kv(qkv, heads, kv_heads, dim, cos, sin, positions, slots, cache)
-    torch.testing.assert_close(qkv[:, :heads * dim].view(tokens, heads, dim), q_ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(cache, cache_ref, atol=1e-6, rtol=1e-5)
+    tolerance = {**TOLERANCE[dtype], "atol": 2 * TOLERANCE[dtype]["atol"]}  # HF rounds both products before the sum
+    torch.testing.assert_close(qkv[:, :heads * dim].view(tokens, heads, dim), q_ref, **tolerance)
+    torch.testing.assert_close(cache, cache_ref, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 64), (9, 3, 128), (3, 1, 20)])
-def test_paged_decode_equals_gathered_sdpa(compiled, heads, kv_heads, dim):
+def test_paged_decode_equals_gathered_sdpa(compiled, heads, kv_heads, dim, dtype):
     """Unequal lengths, scattered blocks, a block table wider than a sequence needs, strided queries."""
     gen = torch.Generator().manual_seed(heads)
     block, num_blocks = 4, 40
-    cache = torch.randn(num_blocks * block, 2, kv_heads, dim, generator=gen)
+    cache = torch.randn(num_blocks * block, 2, kv_heads, dim, generator=gen).to(dtype)
     lengths = [1, 9, 23, 16]
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [order[i * 8:(i + 1) * 8] for i in range(len(lengths))]  # 8 blocks each, fewer used
-    rows = torch.randn(len(lengths), heads * dim + 5, generator=gen)  # a query row inside a wider row
+    rows = torch.randn(len(lengths), heads * dim + 5, generator=gen).to(dtype)  # a query row inside a wider row
     q = rows[:, :heads * dim].view(len(lengths), heads, dim)
     out = compiled.paged_decode(q, cache, torch.tensor(tables), torch.tensor(lengths), block, dim ** -0.5)
+    assert out.dtype == dtype
     for i, length in enumerate(lengths):
         slots = torch.tensor([tables[i][p // block] * block + p % block for p in range(length)])
         group = AttentionGroup(start=0, end=1, batch=1, q_len=1, kv_len=length, kv_slots=slots,
                                mask=torch.ones(1, 1, 1, length, dtype=torch.bool))
         expected = paged_attention(q[i:i + 1], cache, group, dim ** -0.5)
-        torch.testing.assert_close(out[i:i + 1], expected, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[i:i + 1], expected, **TOLERANCE[dtype])
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +152,51 @@ def test_engine_with_and_without_the_loops_samples_the_same(compiled, tiny_model
             assert max(abs(a - b) for a, b in zip(fast.logprobs, reference.logprobs)) < 1e-4
 
 
-def test_rows_race_is_kept_per_machine_and_thread_count(compiled, tmp_path, monkeypatch):
+def test_bf16_engine_runs_every_loop_compiled_and_agrees_with_torch(compiled, tiny_model_dir, tmp_path, monkeypatch):
+    """bf16 serving: the decode step runs the bf16 loops (products, attention, RoPE and KV writes,
+    norms, SiLU), and greedy decoding matches torch's operators, log-probs to bf16's precision.
+    (Models at their default initialisation: qwen3_dir's large weights make near-ties that bf16's
+    rounding, in either path, flips.)"""
+    from colorl.models import save_tiny_model
+
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, cpu_decode.MAX_ROWS + 1)))
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 6)]
+    for folder in (tiny_model_dir, save_tiny_model(tmp_path / "qwen3", family="qwen3", head_dim=24)):
+        outputs = []
+        for use_compiled in (True, False):
+            eng = NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4), dtype=torch.bfloat16)
+            eng.model.use_compiled = use_compiled
+            compiled.seconds = {}
+            params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+            outputs.append(eng.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)]))
+            seconds, compiled.seconds = compiled.seconds, None
+            kinds = {"products", "attention", "kv_writes", "elementwise"}
+            assert (set(seconds) == kinds) if use_compiled else not seconds
+        for fast, reference in zip(*outputs):
+            assert fast.output_ids == reference.output_ids
+            assert max(abs(a - b) for a, b in zip(fast.logprobs, reference.logprobs)) < 0.02
+
+
+def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, monkeypatch):
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_decode, "race_rows", lambda library: {"rows": [1, 2], "seconds": {}})
-    library = cpu_decode.CpuDecode(compiled._lib)
-    assert library.rows_won == {1, 2}
-    (entry,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items()
-                if f"cpu_decode rows at {torch.get_num_threads()} threads" in k]
-    assert entry["rows"] == [1, 2]
+    raced = []
+    monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: raced.append(dtype) or {
+        "rows": [1, 2] if dtype == torch.float32 else [1], "seconds": {}})
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    assert library.rows_won(torch.float32) == {1, 2} and library.rows_won(torch.bfloat16) == {1}
+    assert library.rows_won(torch.float16) == frozenset()  # no kernel for it: never raced
+    entries = {k: v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items()
+               if f"cpu_decode {compiled.build} rows at {torch.get_num_threads()} threads" in k}
+    assert sorted(v["rows"] for v in entries.values()) == [[1], [1, 2]]
+    assert cpu_decode.CpuDecode(compiled._lib, compiled.build).rows_won(torch.float32) == {1, 2}  # read back
+    assert raced == [torch.float32, torch.bfloat16]
+    cpu_decode.CpuDecode(compiled._lib, "another-build").rows_won(torch.float32)  # a changed kernel races again
+    assert raced == [torch.float32, torch.bfloat16, torch.float32]
 
 
-def test_race_measures_every_row_count(compiled):
-    verdict = cpu_decode.race_rows(compiled)
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_race_measures_every_row_count(compiled, dtype):
+    verdict = cpu_decode.race_rows(compiled, dtype)
     assert set(verdict["seconds"]) == set(range(1, cpu_decode.MAX_ROWS + 1))
     assert set(verdict["rows"]) <= set(range(1, cpu_decode.MAX_ROWS + 1))
 

@@ -1,4 +1,5 @@
-/* The native engine's decode-step loops on CPU, float32 (see cpu_decode.py for why and when).
+/* The native engine's decode-step loops on CPU, float32 and bfloat16 (see cpu_decode.py for why
+ * and when). The products are here; the other loops are in cpu_decode_loops.h, once per type.
  *
  * Built on the machine that runs it (-O3 -march=native -fopenmp), loaded after torch so that the
  * OpenMP runtime, and its thread team, is torch's own. Portable C with GCC vector extensions:
@@ -75,7 +76,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 /* ---------------------------------------------------------------- products
  * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) for b < B (1..8): a decode step's few rows. The weight
  * is read once, row after row (one sequential stream per thread, which is what the hardware
- * prefetcher serves best), each row against every x row held in L1. */
+ * prefetcher serves best), each row against every x row held in L1.
+ *
+ * From 3 rows on, the loop's own arithmetic slows how fast it asks for the stream, and the
+ * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
+ * 8 rows on Zen 4. Asking for the weights PREFETCH_AHEAD floats (8 KB) ahead, into L2 (prefetcht1:
+ * L2 tracks more misses than L1), brings 3-8 rows to 19-28 GB/s there (the race in cpu_decode.py
+ * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows it costs a little. */
+#define PREFETCH_AHEAD 2048
 
 #define ROWS_KERNEL(B)                                                                             \
     static void rows_##B(const float *x, const float *w, const float *bias, float *y, int64_t N,   \
@@ -86,6 +94,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
             memset(acc, 0, sizeof acc);                                                            \
             int64_t k = 0;                                                                         \
             for (; k + 16 <= K; k += 16) {                                                         \
+                if (B >= 3) __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);                     \
                 v8 w0 = load8(wr + k), w1 = load8(wr + k + 8);                                     \
                 for (int b = 0; b < B; b++) {                                                      \
                     acc[b][0] += w0 * load8(x + b * K + k);                                        \
@@ -113,74 +122,177 @@ typedef void (*rows_fn)(const float *, const float *, const float *, float *, in
                         int64_t);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-int colorl_linear(const float *x, const float *w, const float *bias, float *y, int64_t B, int64_t N,
+/* Runs `each(n0, n1)` over [0, N) split in one contiguous share per thread (one weight stream
+ * each), or whole on the caller's thread when one thread or a small N would not repay a team. */
+#define SHARE_ROWS(N, threads, each)                                                               \
+    do {                                                                                           \
+        if ((threads) <= 1 || (N) < 64) {                                                          \
+            int64_t n0 = 0, n1 = (N);                                                              \
+            each;                                                                                  \
+        } else {                                                                                   \
+            _Pragma("omp parallel num_threads(threads)") {                                         \
+                int64_t nt = omp_get_num_threads(), chunk = ((N) + nt - 1) / nt;                   \
+                int64_t n0 = omp_get_thread_num() * chunk, n1 = n0 + chunk < (N) ? n0 + chunk : (N); \
+                if (n0 < n1) each;                                                                 \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+int colorl_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t B, int64_t N,
                   int64_t K, int threads) {
     if (B < 1 || B > 8) return -1;
     rows_fn kernel = ROWS[B];
-    if (threads <= 1 || N < 64) {
-        kernel(x, w, bias, y, N, K, 0, N);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t chunk = (N + nt - 1) / nt;
-        int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        if (n0 < n1) kernel(x, w, bias, y, N, K, n0, n1);
-    }
+    SHARE_ROWS(N, threads, kernel(x, w, bias, y, N, K, n0, n1));
     return 0;
 }
 
-/* ---------------------------------------------------------------- norms and activations */
+/* ---------------------------------------------------------------- products in bfloat16
+ * The same products over bf16 weights: half the bytes to stream. Sums are float32 and the result
+ * is rounded to bf16 once (to nearest, ties to even), as torch's bf16 product does; a bf16 times
+ * a bf16 is exact in float32, so only the order of the sums differs.
+ *
+ * Widening each weight to float32 costs more than streaming it, so the loops avoid it:
+ * - on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids), from 2 rows on, vdpbf16ps multiplies and
+ *   adds bf16 pairs in one instruction (1.6-1.8x the widening loop at 3-8 rows);
+ * - elsewhere, and at 1 row, 16 weights load as 8 32-bit words whose high halves are the odd
+ *   weights and whose low halves, shifted up, the even ones (two integer ops for 16 weights);
+ *   x is laid out once per call to match: per 16 values, the 8 even then the 8 odd, in float32. */
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
-/* x[t] += add[t] when add is given (the residual stream, in place), then
- * out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps), as HF's RMSNorm computes it in float32. */
-void colorl_add_rms_norm(float *x, const float *add, const float *weight, float *out, int64_t T,
-                         int64_t C, float eps) {
-    for (int64_t t = 0; t < T; t++) {
-        float *row = x + t * C;
-        if (add)
-            for (int64_t c = 0; c < C; c++) row[c] += add[t * C + c];
-        float inv = 1.0f / sqrtf(dot(row, row, C) / (float)C + eps);
-        float *o = out + t * C;
-        for (int64_t c = 0; c < C; c++) o[c] = weight[c] * (row[c] * inv);
-    }
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
 }
 
-/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the gated MLP's activation. */
-void colorl_silu_mul(const float *gate_up, float *out, int64_t T, int64_t I) {
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gate_up + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            v8 gv = load8(g + i);
-            store8(o + i, gv / (1.0f + exp8(-gv)) * load8(u + i));
-        }
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* ---------------------------------------------------------------- RoPE and the KV write
- * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
- * rotate_half layout: pairs (i, i + D/2)) with the cos/sin tables [P, D] at each token's
- * position, then writes k and v to cache[slot] ([slots, 2, Hkv, D]). */
-void colorl_rope_write_kv(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
-                          const float *sin, const int64_t *positions, const int64_t *slots, float *cache) {
-    int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        float *row = qkv + t * width;
-        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            float *v = row + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-        memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(float));
+static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 -> two v8 of float32 */
+    vu8 bits, lo, hi;
+    memcpy(&bits, p, sizeof bits);
+    lo = bits << 16;
+    hi = bits & 0xffff0000u;
+    memcpy(even, &lo, sizeof *even);
+    memcpy(odd, &hi, sizeof *odd);
+}
+
+/* The weights' row n against B rows: x16 the bf16 rows, xeo the same in the even/odd float32 layout
+ * (NULL where the dpbf16 loop runs); s[b] receives row b's float32 sum. */
+#define ROW_SUMS_BF16(B)                                                                           \
+    static inline void row_sums_bf16_##B(const uint16_t *x16, const float *xeo, const uint16_t *wr, \
+                                         int64_t K, float *s) {                                    \
+        int64_t k = 0;                                                                             \
+        if (HAVE_DPBF16 && B >= 2) {                                                               \
+            DPBF16_LOOP(B)                                                                         \
+        } else {                                                                                   \
+            v8 acc[B][2];                                                                          \
+            memset(acc, 0, sizeof acc);                                                            \
+            for (; k + 16 <= K; k += 16) {                                                         \
+                __builtin_prefetch((const char *)(wr + k) + PREFETCH_AHEAD * 4, 0, 2);             \
+                v8 even, odd;                                                                      \
+                even_odd8(wr + k, &even, &odd);                                                    \
+                for (int b = 0; b < B; b++) {                                                      \
+                    acc[b][0] += even * load8(xeo + b * K + k);                                    \
+                    acc[b][1] += odd * load8(xeo + b * K + k + 8);                                 \
+                }                                                                                  \
+            }                                                                                      \
+            for (int b = 0; b < B; b++) s[b] = hsum8(acc[b][0] + acc[b][1]);                       \
+        }                                                                                          \
+        for (int b = 0; b < B; b++)                                                                \
+            for (int64_t j = k; j < K; j++) s[b] += bf16_to_float(wr[j]) * bf16_to_float(x16[b * K + j]); \
     }
+
+#if HAVE_DPBF16
+#define DPBF16_LOOP(B)                                                                             \
+    __m256 acc[B][2];                                                                              \
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();                       \
+    for (; k + 32 <= K; k += 32) {                                                                 \
+        __builtin_prefetch((const char *)(wr + k) + PREFETCH_AHEAD * 4, 0, 2);                     \
+        __m256bh w0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k));                    \
+        __m256bh w1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16));               \
+        for (int b = 0; b < B; b++) {                                                              \
+            acc[b][0] = _mm256_dpbf16_ps(acc[b][0], w0, (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + b * K + k))); \
+            acc[b][1] = _mm256_dpbf16_ps(acc[b][1], w1, (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + b * K + k + 16))); \
+        }                                                                                          \
+    }                                                                                              \
+    for (int b = 0; b < B; b++) {                                                                  \
+        v8 lo, hi;                                                                                 \
+        memcpy(&lo, &acc[b][0], sizeof lo);                                                        \
+        memcpy(&hi, &acc[b][1], sizeof hi);                                                        \
+        s[b] = hsum8(lo + hi);                                                                     \
+    }
+#else
+#define DPBF16_LOOP(B)
+#endif
+
+ROW_SUMS_BF16(1)
+ROW_SUMS_BF16(2)
+ROW_SUMS_BF16(3)
+ROW_SUMS_BF16(4)
+ROW_SUMS_BF16(5)
+ROW_SUMS_BF16(6)
+ROW_SUMS_BF16(7)
+ROW_SUMS_BF16(8)
+
+#define ROWS_KERNEL_BF16(B)                                                                        \
+    static void rows_bf16_##B(const uint16_t *x16, const float *xeo, const uint16_t *w, const uint16_t *bias, \
+                              uint16_t *y, int64_t N, int64_t K, int64_t n0, int64_t n1) {         \
+        float s[B];                                                                                \
+        for (int64_t n = n0; n < n1; n++) {                                                        \
+            row_sums_bf16_##B(x16, xeo, w + n * K, K, s);                                          \
+            for (int b = 0; b < B; b++) y[b * N + n] = float_to_bf16(bias ? s[b] + bf16_to_float(bias[n]) : s[b]); \
+        }                                                                                          \
+    }
+
+ROWS_KERNEL_BF16(1)
+ROWS_KERNEL_BF16(2)
+ROWS_KERNEL_BF16(3)
+ROWS_KERNEL_BF16(4)
+ROWS_KERNEL_BF16(5)
+ROWS_KERNEL_BF16(6)
+ROWS_KERNEL_BF16(7)
+ROWS_KERNEL_BF16(8)
+
+typedef void (*rows_bf16_fn)(const uint16_t *, const float *, const uint16_t *, const uint16_t *, uint16_t *,
+                             int64_t, int64_t, int64_t, int64_t);
+static const rows_bf16_fn ROWS_BF16[9] = {0, rows_bf16_1, rows_bf16_2, rows_bf16_3, rows_bf16_4,
+                                          rows_bf16_5, rows_bf16_6, rows_bf16_7, rows_bf16_8};
+
+int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t B,
+                       int64_t N, int64_t K, int threads) {
+    if (B < 1 || B > 8) return -1;
+    float *xeo = NULL;
+    if (!HAVE_DPBF16 || B == 1) { /* the even/odd layout of x's whole 16-value chunks */
+        xeo = malloc(sizeof(float) * B * K);
+        if (!xeo) return -2;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c + 16 <= K; c += 16)
+                for (int i = 0; i < 8; i++) {
+                    xeo[b * K + c + i] = bf16_to_float(x[b * K + c + 2 * i]);
+                    xeo[b * K + c + 8 + i] = bf16_to_float(x[b * K + c + 2 * i + 1]);
+                }
+    }
+    rows_bf16_fn kernel = ROWS_BF16[B];
+    SHARE_ROWS(N, threads, kernel(x, xeo, w, bias, y, N, K, n0, n1));
+    free(xeo);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- paged decode attention
@@ -240,22 +352,86 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
     free(scores);
 }
 
-void colorl_paged_decode(const float *q, int64_t q_stride, const float *cache, const int64_t *tables, int64_t width,
-                         const int64_t *lengths, float *out, int64_t S, int64_t H, int64_t Hkv,
-                         int64_t D, int64_t block_size, float scale, int threads) {
-    int64_t tasks = S * Hkv;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t s = task / Hkv, kvh = task % Hkv;
-        const float *qs = q + s * q_stride;
-        const int64_t *table = tables + s * width;
-        float *os = out + s * H * D;
-        /* the common head sizes as constants: the compiler unrolls the per-position loops */
-        if (D == 64)
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 64, block_size, scale, kvh);
-        else if (D == 128)
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 128, block_size, scale, kvh);
-        else
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh);
+/* ---------------------------------------------------------------- the other loops, per storage type */
+
+/* A float32 buffer of at least n values for the calling thread, kept for its next call: a step's
+ * tasks would otherwise each map and unmap a fresh buffer of a few hundred KB (malloc's mmap
+ * threshold is 128 KB), page faults included. Grows to the longest context seen; never freed. */
+static float *thread_scratch(int64_t n) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (n > capacity) {
+        free(buffer);
+        capacity = n + n / 2;
+        buffer = malloc(sizeof(float) * capacity);
+        if (!buffer) abort();
     }
+    return buffer;
 }
+
+static inline v8 bf16_load8(const uint16_t *p) { /* 8 bf16 -> 8 float32, exactly */
+    vh8 h;
+    memcpy(&h, p, sizeof h);
+    vu8 bits = __builtin_convertvector(h, vu8) << 16;
+    v8 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline vu8 bf16_round_bits(v8 v) { /* float32 -> bf16 in the high halves: to nearest, ties to even */
+    vu8 bits;
+    memcpy(&bits, &v, sizeof bits);
+    vu8 nan = (bits & 0x7fffffffu) > 0x7f800000u; /* all ones where NaN */
+    vu8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & ~nan) | (0x7fc00000u & nan);
+}
+
+static inline v8 bf16_round8(v8 v) {
+    vu8 bits = bf16_round_bits(v);
+    v8 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline void bf16_store8(uint16_t *p, v8 v) {
+    vh8 h = __builtin_convertvector(bf16_round_bits(v) >> 16, vh8);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline float bf16_round1(float f) { return bf16_to_float(float_to_bf16(f)); }
+static inline void bf16_store1(uint16_t *p, float f) { *p = float_to_bf16(f); }
+static inline float f32_load1(const float *p) { return *p; }
+static inline void f32_store1(float *p, float f) { *p = f; }
+static inline v8 same8(v8 v) { return v; }
+static inline float same1(float f) { return f; }
+
+#define ELEM float
+#define SUFFIX _f32
+#define LOAD8 load8
+#define STORE8 store8
+#define LOAD1 f32_load1
+#define STORE1 f32_store1
+#define ROUND8 same8
+#define ROUND1 same1
+#define STAGE_KV 0
+#include "cpu_decode_loops.h"
+#undef ELEM
+#undef SUFFIX
+#undef LOAD8
+#undef STORE8
+#undef LOAD1
+#undef STORE1
+#undef ROUND8
+#undef ROUND1
+#undef STAGE_KV
+
+#define ELEM uint16_t
+#define SUFFIX _bf16
+#define LOAD8 bf16_load8
+#define STORE8 bf16_store8
+#define LOAD1(p) bf16_to_float(*(p))
+#define STORE1 bf16_store1
+#define ROUND8 bf16_round8
+#define ROUND1 bf16_round1
+#define STAGE_KV 1
+#include "cpu_decode_loops.h"

@@ -1,20 +1,23 @@
-"""The decode step's loops compiled for this CPU (cpu_decode.c): products over a few rows, paged
-attention over the block table, RoPE with the KV write, residual add with RMSNorm, SiLU-gating.
+"""The decode step's loops compiled for this CPU (cpu_decode.c, cpu_decode_loops.h), in float32 and
+bfloat16: products over a few rows, paged attention over the block table, RoPE with the KV write,
+residual add with RMSNorm, SiLU-gating.
 
 Why: a decode step over 1-8 sequences is a string of matrix-vector products bound by memory
 bandwidth, and the libraries torch ships read the weights at about half the bandwidth one core
 reaches (oneDNN 15 GB/s, MKL 11 GB/s, against 24 GB/s for one sequential stream on the
 project's Zen 4; bench/README.md, "The engines alone"). Around the products, the same step costs
 about 40 torch operators per layer (norms, RoPE, the padded gather of every sequence's context
-for SDPA, its mask): each is a dispatch of microseconds that does nanoseconds of work.
+for SDPA, its mask): each is a dispatch of microseconds that does nanoseconds of work. In bf16
+the torch path is slower still (its decode attention took 45 % of a step).
 
 How it is built: on first use, with the machine's C compiler (`CC`, else `cc`), `-O3
 -march=native -fopenmp` (`COLORL_CPU_DECODE_ARCH` overrides the -march), into
-`colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers the source, the flags, the
-compiler and the CPU), atomically so concurrent ranks never load half a file; a second or two. It is loaded after torch, so its OpenMP calls join torch's own
-runtime and thread team (no second pool of spinning threads). No compiler, a failed build, a
-non-x86/ARM machine or `COLORL_CPU_DECODE=0`: `load()` returns None and the engine runs torch's
-operators, with the same results to float32 rounding (tests/engines/test_cpu_decode.py).
+`colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers the sources, the flags, the
+compiler and the CPU), atomically so concurrent ranks never load half a file; a second or two.
+It is loaded after torch, so its OpenMP calls join torch's own runtime and thread team (no
+second pool of spinning threads). No compiler, a failed build, a non-x86/ARM machine or
+`COLORL_CPU_DECODE=0`: `load()` returns None and the engine runs torch's operators, with the
+same results to float32 rounding (to one bf16 step in bf16; tests/engines/test_cpu_decode.py).
 """
 from __future__ import annotations
 
@@ -33,19 +36,22 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+HEADER = SOURCE.with_name("cpu_decode_loops.h")  # included by SOURCE
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, oneDNN's ground
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_ROUNDS = 3
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
+_SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
     "colorl_add_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
     "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
     "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
     "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int], None),
 }
+SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one of these
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -70,32 +76,40 @@ def _timed(kind: str):
 
 
 class CpuDecode:
-    """The compiled library, called on contiguous float32 CPU tensors (the caller checks)."""
+    """The compiled library, called on contiguous CPU tensors of one of DTYPES (the caller checks);
+    cos/sin tables are float32 in either."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, build: str) -> None:
         self._lib = library
+        self.build = build  # names the source, flags, compiler and CPU it was built from (the .so's hash)
         self.seconds: dict[str, float] | None = None  # by kind of work, while a bench sets it to {}
+        self._functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, (args, result) in _SIGNATURES.items():
-            function = getattr(library, name)
-            function.argtypes, function.restype = args, result
+            for dtype, suffix in SUFFIXES.items():
+                function = self._functions[name, dtype] = getattr(library, name + suffix)
+                function.argtypes, function.restype = args, result
 
-    @functools.cached_property
-    def rows_won(self) -> frozenset[int]:
+    @functools.cache
+    def rows_won(self, dtype: torch.dtype) -> frozenset[int]:
         """Row counts at which `linear` beats the engine's other products (oneDNN over packed weights,
-        where chosen) on this machine at this thread count: raced once, kept in kernels.json."""
+        where chosen) in `dtype` on this machine at this thread count: raced once per build (a
+        changed kernel is raced again), kept in kernels.json."""
         from colorl.kernels import measured_verdict
 
+        if dtype not in DTYPES:
+            return frozenset()
         threads = torch.get_num_threads()
-        verdict = measured_verdict(f"cpu_decode rows at {threads} threads {_flags()[0]}", lambda: race_rows(self))
-        return frozenset(verdict["rows"])
+        name = f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
+        return frozenset(measured_verdict(name, lambda: race_rows(self, dtype))["rows"])
 
     @_timed("products")
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [B <= MAX_ROWS, in] @ weight [out, in].T (+ bias): [B, out]."""
+        """x: [B <= MAX_ROWS, in] @ weight [out, in].T (+ bias): [B, out], all float32 or all bfloat16
+        (float32 sums, rounded to bf16 once at the end, as torch's bf16 product)."""
         rows, n_in = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-        code = self._lib.colorl_linear(_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows, weight.shape[0], n_in,
-                                       torch.get_num_threads())
+        code = self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows, weight.shape[0], n_in,
+                      torch.get_num_threads())
         if code:
             raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {rows}")
         return out
@@ -104,7 +118,7 @@ class CpuDecode:
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += add (in place, when given); returns RMSNorm(x) * weight. x, add: [T, C]."""
         out = torch.empty_like(x)
-        self._lib.colorl_add_rms_norm(_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps)
+        self._functions["colorl_add_rms_norm", x.dtype](_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps)
         return out
 
     @_timed("elementwise")
@@ -112,14 +126,14 @@ class CpuDecode:
         """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
         tokens, width = gate_up.shape
         out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
-        self._lib.colorl_silu_mul(_ptr(gate_up), _ptr(out), tokens, width // 2)
+        self._functions["colorl_silu_mul", gate_up.dtype](_ptr(gate_up), _ptr(out), tokens, width // 2)
         return out
 
     @_timed("kv_writes")
     def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place; write k, v to cache [slots, 2, Hkv, D]."""
-        self._lib.colorl_rope_write_kv(_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
+        self._functions["colorl_rope_write_kv", qkv.dtype](_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
                                        _ptr(positions), _ptr(slots), _ptr(cache))
 
     @_timed("attention")
@@ -130,24 +144,25 @@ class CpuDecode:
         seqs, heads, dim = q.shape
         assert q.stride(1) == dim and q.stride(2) == 1, "each query's heads must be contiguous"
         out = torch.empty(seqs, heads * dim, dtype=q.dtype)
-        self._lib.colorl_paged_decode(_ptr(q), q.stride(0), _ptr(cache), _ptr(tables), tables.shape[1], _ptr(lengths),
+        self._functions["colorl_paged_decode", q.dtype](_ptr(q), q.stride(0), _ptr(cache), _ptr(tables), tables.shape[1], _ptr(lengths),
                                       _ptr(out), seqs, heads, cache.shape[2], dim, block_size, scale,
                                       torch.get_num_threads())
         return out
 
 
-def race_rows(compiled: CpuDecode) -> dict:
+def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     """For 1..MAX_ROWS rows: the median of RACE_ROUNDS alternating runs of each kernel over weights
     that do not fit in cache, as a decode step streams them."""
     from colorl.kernels import PackedLinears, median_seconds
 
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(3072, 576, generator=gen) for _ in range(RACE_MATRICES)]
+    matrices = RACE_MATRICES * 4 // dtype.itemsize  # the same bytes in either dtype
+    weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(matrices)]
     packed = PackedLinears()
     packed.repack(weights)
     won, seconds = [], {}
     for rows in range(1, MAX_ROWS + 1):
-        x = torch.randn(rows, 576, generator=gen)
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
         compiled_s, other_s = median_seconds((lambda: [compiled.linear(x, w, None) for w in weights],
                                               lambda: [packed.linear(x, w, None) for w in weights]), RACE_ROUNDS)
         seconds[rows] = [compiled_s, other_s]
@@ -167,7 +182,8 @@ def load() -> CpuDecode | None:
     if compiler is None:
         return None
     try:
-        return CpuDecode(ctypes.CDLL(str(_build(compiler))))
+        library = _build(compiler)
+        return CpuDecode(ctypes.CDLL(str(library)), library.stem)
     except (OSError, subprocess.SubprocessError, AttributeError):
         return None
 
@@ -191,7 +207,7 @@ def _build(compiler: list[str]) -> Path:
 
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = _flags()
-    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), " ".join(compiler), version,
+    digest = hashlib.sha1("\n".join([SOURCE.read_text(), HEADER.read_text(), " ".join(flags), " ".join(compiler), version,
                                      machine_key()]).encode()).hexdigest()[:16]
     library = cache_root() / "cpu_decode" / f"{digest}.so"
     if library.is_file():

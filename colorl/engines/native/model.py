@@ -10,11 +10,11 @@ dict loads without conversion. Layout choices, invisible from outside:
   of these matrices (`colorl/kernels.py`); `repack` refreshes them after the weights change.
 - tokens of one step are flattened across sequences ([T, ...]): every projection runs once over
   all of them; only attention is per group of sequences (see `AttentionGroup`).
-- float32 on CPU, the decode step's loops run compiled for this machine where it has a C compiler
-  (`cpu_decode.py`): products over a few rows, RoPE with the KV write, the residual add fused with
-  the next RMSNorm, SiLU-gating, and attention read straight from the block table. The torch
-  operators below are the same maths for every other case (and the reference the tests hold the
-  compiled loops to).
+- float32 or bfloat16 on CPU, the decode step's loops run compiled for this machine where it has
+  a C compiler (`cpu_decode.py`): products over a few rows, RoPE with the KV write, the residual
+  add fused with the next RMSNorm, SiLU-gating, and attention read straight from the block
+  table. The torch operators below are the same maths for every other case (and the reference
+  the tests hold the compiled loops to).
 """
 from __future__ import annotations
 
@@ -220,8 +220,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
 
 class Products:
     """Where the engine's matrix products run: the compiled rows kernel for a decode step's few rows
-    (at the row counts where it beat the alternative in this machine's race), oneDNN over packed
-    weights otherwise (`PackedLinears`, refreshed on every weight version)."""
+    (at the row counts where it beat the alternative in this machine's race, per dtype), oneDNN
+    over packed weights otherwise (`PackedLinears`, refreshed on every weight version)."""
 
     def __init__(self) -> None:
         self.packed = PackedLinears()
@@ -229,7 +229,7 @@ class Products:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                compiled: CpuDecode | None = None) -> torch.Tensor:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
-        if compiled is not None and x.shape[0] in compiled.rows_won and x.is_contiguous():
+        if compiled is not None and x.shape[0] in compiled.rows_won(x.dtype) and x.is_contiguous():
             return compiled.linear(x, weight, bias)
         return self.packed.linear(x, weight, bias)
 
@@ -327,8 +327,9 @@ class CausalLM(nn.Module):
         self.use_compiled = True  # False: torch's operators only (the reference the tests compare with)
 
     def compiled(self, dtype: torch.dtype, device: torch.device) -> CpuDecode | None:
-        """The compiled decode loops when they serve this step: float32 on a CPU that could build them."""
-        if self.use_compiled and dtype == torch.float32 and device.type == "cpu":
+        """The compiled decode loops when they serve this step: float32 or bfloat16 on a CPU that
+        could build them."""
+        if self.use_compiled and dtype in cpu_decode.DTYPES and device.type == "cpu":
             return cpu_decode.load()
         return None
 

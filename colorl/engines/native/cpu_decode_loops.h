@@ -1,0 +1,154 @@
+/* The decode step's loops other than the products, once per storage type: cpu_decode.c includes
+ * this file twice, for float32 (_f32) and bfloat16 (_bf16). The arithmetic is float32 in both;
+ * ELEM is the type in memory, LOAD8/LOAD1 widen from it, STORE8/STORE1 round to it, and ROUND8/
+ * ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
+ * identity in float32); STAGE_KV: attention widens its keys and values first. Defined by the
+ * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV. */
+#define LOOP_NAME_(name, suffix) name##suffix
+#define LOOP_NAME(name, suffix) LOOP_NAME_(name, suffix)
+#define NAMED(name) LOOP_NAME(name, SUFFIX)
+
+/* ---------------------------------------------------------------- norms and activations */
+
+/* x[t] += add[t] when add is given (the residual stream, in place, rounded to ELEM), then
+ * out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)), as HF's RMSNorm computes it: in float32,
+ * rounded to ELEM before the weight's product. */
+void NAMED(colorl_add_rms_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM *out, int64_t T, int64_t C,
+                                float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        ELEM *row = x + t * C;
+        v8 s0 = {0}, s1 = {0};
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+            v8 a = LOAD8(row + c), b = LOAD8(row + c + 8);
+            if (add) {
+                a = ROUND8(a + LOAD8(add + t * C + c));
+                b = ROUND8(b + LOAD8(add + t * C + c + 8));
+                STORE8(row + c, a);
+                STORE8(row + c + 8, b);
+            }
+            s0 += a * a;
+            s1 += b * b;
+        }
+        float squares = hsum8(s0 + s1);
+        for (; c < C; c++) {
+            float v = LOAD1(row + c);
+            if (add) {
+                v = ROUND1(v + LOAD1(add + t * C + c));
+                STORE1(row + c, v);
+            }
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(squares / (float)C + eps);
+        ELEM *o = out + t * C;
+        for (c = 0; c + 8 <= C; c += 8) STORE8(o + c, LOAD8(weight + c) * ROUND8(LOAD8(row + c) * inv));
+        for (; c < C; c++) STORE1(o + c, LOAD1(weight + c) * ROUND1(LOAD1(row + c) * inv));
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the gated MLP's activation (silu rounded
+ * to ELEM before the product, as HF's act(gate) * up). */
+void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const ELEM *g = gate_up + t * 2 * I, *u = g + I;
+        ELEM *o = out + t * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            v8 gv = LOAD8(g + i);
+            STORE8(o + i, ROUND8(gv / (1.0f + exp8(-gv))) * LOAD8(u + i));
+        }
+        for (; i < I; i++) {
+            float gi = LOAD1(g + i);
+            STORE1(o + i, ROUND1(gi / (1.0f + expf(-gi))) * LOAD1(u + i));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- RoPE and the KV write
+ * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
+ * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
+ * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
+ * ([slots, 2, Hkv, D]). */
+void NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                                 const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
+    int64_t width = (H + 2 * Hkv) * D, half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        ELEM *row = qkv + t * width;
+        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            ELEM *v = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = LOAD1(v + i), b = LOAD1(v + i + half);
+                STORE1(v + i, a * ROUND1(c[i]) - b * ROUND1(s[i]));
+                STORE1(v + i + half, b * ROUND1(c[i + half]) + a * ROUND1(s[i + half]));
+            }
+        }
+        memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(ELEM));
+    }
+}
+
+/* ---------------------------------------------------------------- paged decode attention
+ * decode_one (cpu_decode.c) over the block table: one task per (sequence, KV head) in float32.
+ * In bf16 one task per sequence first widens its context's keys and values, every head at once
+ * (each block one sequential run), to float32 in a one-block cache of the same layout, then runs
+ * decode_one per KV head over it from L2: widening inside the loops, or per head from a strided
+ * read, made bf16 attention 1.5x slower than float32 for half the bytes. */
+#if STAGE_KV
+static void NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
+                                   int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+    int64_t stride = 2 * Hkv * D;
+    float *staged = thread_scratch(length * stride + 2 * H * D);
+    float *qf = staged + length * stride, *of = qf + H * D;
+    for (int64_t i = 0; i < H * D; i++) qf[i] = LOAD1(q + i);
+    for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
+        const ELEM *run = cache + table[b] * block_size * stride;
+        int64_t count = ((first + block_size < length ? first + block_size : length) - first) * stride, i = 0;
+        float *to = staged + first * stride;
+        for (; i + 8 <= count; i += 8) store8(to + i, LOAD8(run + i));
+        for (; i < count; i++) to[i] = LOAD1(run + i);
+    }
+    const int64_t one_block = 0;
+    for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+        if (D == 64)
+            decode_one(qf, staged, &one_block, length, of, H, Hkv, 64, length, scale, kvh);
+        else if (D == 128)
+            decode_one(qf, staged, &one_block, length, of, H, Hkv, 128, length, scale, kvh);
+        else
+            decode_one(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh);
+    }
+    int64_t i = 0;
+    for (; i + 8 <= H * D; i += 8) STORE8(out + i, load8(of + i));
+    for (; i < H * D; i++) STORE1(out + i, of[i]);
+}
+#endif
+
+void NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
+                                int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
+                                int64_t D, int64_t block_size, float scale, int threads) {
+#if STAGE_KV
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && S > 1)
+    for (int64_t s = 0; s < S; s++)
+        NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
+                               block_size, scale);
+#else
+    int64_t tasks = S * Hkv;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t s = task / Hkv, kvh = task % Hkv;
+        const ELEM *qs = q + s * q_stride;
+        const int64_t *table = tables + s * width;
+        ELEM *os = out + s * H * D;
+        /* the common head sizes as constants: the compiler unrolls the per-position loops */
+        if (D == 64)
+            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 64, block_size, scale, kvh);
+        else if (D == 128)
+            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 128, block_size, scale, kvh);
+        else
+            decode_one(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh);
+    }
+#endif
+}
+
+#undef NAMED
+#undef LOOP_NAME
+#undef LOOP_NAME_
