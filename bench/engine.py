@@ -26,7 +26,7 @@ build is: its kernels are registered torch ops).
 
 With --isa avx2 every library in both engines' processes runs its AVX2 code on an AVX-512 machine
 (torch's ATen and oneDNN held to AVX2, the native loops built for x86-64-v3, vLLM's AVX2 kernel
-library loaded instead of its AVX-512 one): what an AVX2-only CPU would run, on this machine's
+library loaded instead of its AVX-512 one, its torch.compile graphs vectorised 256 bits wide): what an AVX2-only CPU would run, on this machine's
 memory and cores. It is an emulation; a real AVX2 CPU's own figures may differ.
 
 Results: bench/results/engine.json; summary in bench/README.md ("Native engine (issue 3)").
@@ -94,8 +94,12 @@ def make_engine(name: str, model_dir: Path, dtype: torch.dtype, vllm_compiled: b
     from colorl.engines import build_engine
 
     if name == "vllm" and os.environ.get("COLORL_CPU_DECODE_ARCH") == AVX2_ENV["COLORL_CPU_DECODE_ARCH"]:
-        # --isa avx2: vLLM picks its kernel library by what torch says the CPU has
+        # --isa avx2: vLLM picks its kernel library by what torch says the CPU has, and its compiled
+        # graphs take the vector width inductor is given
+        import torch._inductor.config
+
         torch.cpu._is_avx512_supported = torch.cpu._is_avx512_bf16_supported = lambda: False
+        torch._inductor.config.cpp.simdlen = 256
     if name == "vllm" and vllm_compiled:
         from colorl.engines.vllm import VLLMEngine
 

@@ -177,6 +177,33 @@ def test_bf16_engine_runs_every_loop_compiled_and_agrees_with_torch(compiled, ti
             assert max(abs(a - b) for a, b in zip(fast.logprobs, reference.logprobs)) < 0.02
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_whole_layer_decode_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch, dtype):
+    """One compiled call per layer for pure decode steps runs the same loops in the same order as the
+    per-operation path, so the two sample the same tokens with bit-identical log-probs; steps with a
+    prefill, or more rows than the rows kernel won, take the per-operation path."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 4)))
+    calls = []
+    whole_layer = cpu_decode.CpuDecode.decode_layer
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer",
+                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layer(self, x, *rest))
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 6, 9)]
+    outputs = []
+    for per_operation in (False, True):
+        compiled.seconds = {} if per_operation else None  # a bench's split forces the per-operation path
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16), dtype=dtype)
+        params = [SamplingParams(temperature=1.0, max_new_tokens=4 + 6 * i, ignore_eos=True, seed=i) for i in range(4)]
+        outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
+        compiled.seconds = None
+        if not per_operation:
+            assert calls and set(calls) <= {1, 2, 3}  # 4 decodes at once exceed the won rows: per operation
+            whole_steps = len(calls)
+    assert len(calls) == whole_steps  # none while the split was collected
+    for whole, reference in zip(*outputs):
+        assert whole.output_ids == reference.output_ids
+        assert whole.logprobs == reference.logprobs
+
+
 def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, monkeypatch):
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
     raced = []

@@ -405,6 +405,21 @@ static inline void f32_store1(float *p, float f) { *p = f; }
 static inline v8 same8(v8 v) { return v; }
 static inline float same1(float f) { return f; }
 
+/* What colorl_decode_layer_* reads (cpu_decode.py builds both with ctypes): one decoder layer's
+ * tensors (biases may be NULL), and the step's shapes and per-sequence inputs. */
+typedef struct {
+    const void *input_norm, *w_qkv, *b_qkv, *w_o, *b_o, *post_norm, *w_gate_up, *b_gate_up, *w_down, *b_down;
+    void *cache; /* this layer's [slots, 2, Hkv, D] */
+} decode_layer_t;
+
+typedef struct {
+    int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate, width, block_size;
+    const float *cos, *sin;                                   /* [P, D] tables */
+    const int64_t *positions, *slots, *tables, *lengths;      /* [T], [T], [T, width], [T] */
+    float eps, scale;
+    int threads;
+} decode_step_t;
+
 #define ELEM float
 #define SUFFIX _f32
 #define LOAD8 load8

@@ -43,12 +43,29 @@ RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cach
 RACE_ROUNDS = 3
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's tensors for `decode_layer` (cpu_decode.c's decode_layer_t): data pointers,
+    None for an absent bias."""
+    _fields_ = [(name, _p) for name in ("input_norm", "w_qkv", "b_qkv", "w_o", "b_o", "post_norm", "w_gate_up",
+                                        "b_gate_up", "w_down", "b_down", "cache")]
+
+
+class DecodeStep(ctypes.Structure):
+    """A decode step's shapes and per-sequence inputs, the same for every layer (decode_step_t)."""
+    _fields_ = [*((name, _i64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                            "width", "block_size")),
+                *((name, _p) for name in ("cos", "sin", "positions", "slots", "tables", "lengths")),
+                ("eps", _f32), ("scale", _f32), ("threads", _int)]
+
 _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
     "colorl_add_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
     "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
     "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
     "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int], None),
+    "colorl_decode_layer": ([_p, _p, _p, _p, ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeStep)], _int),
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one of these
@@ -108,8 +125,8 @@ class CpuDecode:
         (float32 sums, rounded to bf16 once at the end, as torch's bf16 product)."""
         rows, n_in = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-        code = self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows, weight.shape[0], n_in,
-                      torch.get_num_threads())
+        code = self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows,
+                                                         weight.shape[0], n_in, torch.get_num_threads())
         if code:
             raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {rows}")
         return out
@@ -118,7 +135,8 @@ class CpuDecode:
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += add (in place, when given); returns RMSNorm(x) * weight. x, add: [T, C]."""
         out = torch.empty_like(x)
-        self._functions["colorl_add_rms_norm", x.dtype](_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps)
+        self._functions["colorl_add_rms_norm", x.dtype](_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0],
+                                                        x.shape[1], eps)
         return out
 
     @_timed("elementwise")
@@ -133,8 +151,9 @@ class CpuDecode:
     def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place; write k, v to cache [slots, 2, Hkv, D]."""
-        self._functions["colorl_rope_write_kv", qkv.dtype](_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
-                                       _ptr(positions), _ptr(slots), _ptr(cache))
+        self._functions["colorl_rope_write_kv", qkv.dtype](_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim,
+                                                           _ptr(cos), _ptr(sin), _ptr(positions), _ptr(slots),
+                                                           _ptr(cache))
 
     @_timed("attention")
     def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -144,9 +163,23 @@ class CpuDecode:
         seqs, heads, dim = q.shape
         assert q.stride(1) == dim and q.stride(2) == 1, "each query's heads must be contiguous"
         out = torch.empty(seqs, heads * dim, dtype=q.dtype)
-        self._functions["colorl_paged_decode", q.dtype](_ptr(q), q.stride(0), _ptr(cache), _ptr(tables), tables.shape[1], _ptr(lengths),
-                                      _ptr(out), seqs, heads, cache.shape[2], dim, block_size, scale,
-                                      torch.get_num_threads())
+        self._functions["colorl_paged_decode", q.dtype](_ptr(q), q.stride(0), _ptr(cache), _ptr(tables),
+                                                        tables.shape[1], _ptr(lengths), _ptr(out), seqs, heads,
+                                                        cache.shape[2], dim, block_size, scale,
+                                                        torch.get_num_threads())
+        return out
+
+
+    def decode_layer(self, x: torch.Tensor, delta: torch.Tensor | None, layer: DecodeLayer, step: DecodeStep,
+                     scratch: torch.Tensor) -> torch.Tensor:
+        """A whole decoder layer for a decode step of step.tokens <= MAX_ROWS sequences (cpu_decode_loops.h):
+        x [T, C] += delta and the attention output, in place; returns the layer's MLP output [T, C].
+        Not timed by kind: a bench's split runs the per-operation path instead (model.py)."""
+        out = torch.empty_like(x)
+        code = self._functions["colorl_decode_layer", x.dtype](_ptr(x), _ptr(delta), _ptr(out), _ptr(scratch),
+                                                               ctypes.byref(layer), ctypes.byref(step))
+        if code:
+            raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {x.shape[0]}")
         return out
 
 

@@ -313,6 +313,13 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, cache, step, compiled), compiled)
         return x, self.mlp(h, compiled)
 
+    def compiled_tensors(self, cache: torch.Tensor) -> cpu_decode.DecodeLayer:
+        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layer`)."""
+        attn, mlp = self.self_attn, self.mlp
+        tensors = (self.input_layernorm.weight, attn.w_qkv, attn.b_qkv, attn.w_o, attn.b_o,
+                   self.post_attention_layernorm.weight, mlp.w_gate_up, mlp.b_gate_up, mlp.w_down, mlp.b_down, cache)
+        return cpu_decode.DecodeLayer(*(None if t is None else t.data_ptr() for t in tensors))
+
 
 class CausalLM(nn.Module):
     def __init__(self, config, spec: ModelSpec | None = None) -> None:
@@ -344,12 +351,42 @@ class CausalLM(nn.Module):
             cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
             cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         delta = None
-        for layer, cache in zip(self.layers, kv_cache):
-            x, delta = layer(x, delta, cos, sin, cache, step, compiled)
+        fused = self._whole_layers(step, compiled, x)
+        if fused is not None:  # one compiled call per layer
+            inputs, scratch = fused
+            for layer, cache in zip(self.layers, kv_cache):
+                delta = compiled.decode_layer(x, delta, layer.compiled_tensors(cache), inputs, scratch)
+        else:
+            for layer, cache in zip(self.layers, kv_cache):
+                x, delta = layer(x, delta, cos, sin, cache, step, compiled)
         rows = step.logit_rows
         _, x = self.norm.add_forward(x.index_select(0, rows), None if delta is None else delta.index_select(0, rows),
                                      compiled)  # [N, hidden]
         return self.linears.linear(x, self._head(), None, compiled).float()  # [N, V]
+
+    def _whole_layers(self, step: StepInputs, compiled: CpuDecode | None,
+                      x: torch.Tensor) -> tuple[cpu_decode.DecodeStep, torch.Tensor] | None:
+        """The step's inputs and scratch for the compiled whole-layer decode, when it serves this step:
+        only one-token decodes, as many as the rows kernel takes at its won row counts, a plain
+        SiLU-gated Llama/Qwen2 layer (Qwen3's q/k norms run through the per-operation path), and no
+        bench collecting the per-kind split (which the per-operation path times)."""
+        s = self.spec
+        tokens = x.shape[0]
+        if (compiled is None or compiled.seconds is not None or s.qk_norm or not self.layers[0].mlp.silu
+                or len(step.groups) != 1 or step.groups[0].block_tables is None
+                or tokens not in compiled.rows_won(x.dtype)):
+            return None
+        group = step.groups[0]
+        width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        inputs = cpu_decode.DecodeStep(
+            tokens=tokens, hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+            intermediate=s.intermediate_size, width=group.block_tables.shape[1], block_size=group.block_size,
+            cos=self.rotary.cos.data_ptr(), sin=self.rotary.sin.data_ptr(), positions=step.positions.data_ptr(),
+            slots=step.slot_mapping.data_ptr(), tables=group.block_tables.data_ptr(), lengths=group.lengths.data_ptr(),
+            eps=s.rms_norm_eps, scale=self.layers[0].self_attn.scale, threads=torch.get_num_threads())
+        scratch = torch.empty(tokens * (2 * s.hidden_size + width + s.num_heads * s.head_dim + 3 * s.intermediate_size),
+                              dtype=x.dtype)
+        return inputs, scratch
 
     def _head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
