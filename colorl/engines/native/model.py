@@ -13,8 +13,9 @@ dict loads without conversion. Layout choices, invisible from outside:
 - float32 or bfloat16 on CPU, the decode step's loops run compiled for this machine where it has
   a C compiler (`cpu_decode.py`): products over a few rows, RoPE with the KV write, the residual
   add fused with the next RMSNorm, SiLU-gating, and attention read straight from the block
-  table. The torch operators below are the same maths for every other case (and the reference
-  the tests hold the compiled loops to).
+  table; a step of one-token decodes runs each layer as one compiled call. The torch operators
+  below are the same maths for every other case (and the reference the tests hold the compiled
+  loops to).
 """
 from __future__ import annotations
 
