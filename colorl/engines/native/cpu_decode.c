@@ -352,6 +352,17 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
     free(scores);
 }
 
+/* decode_one with the common head sizes as constants: the compiler unrolls the per-position loops. */
+static void decode_head(const float *q, const float *cache, const int64_t *table, int64_t length, float *out,
+                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t kvh) {
+    if (D == 64)
+        decode_one(q, cache, table, length, out, H, Hkv, 64, block_size, scale, kvh);
+    else if (D == 128)
+        decode_one(q, cache, table, length, out, H, Hkv, 128, block_size, scale, kvh);
+    else
+        decode_one(q, cache, table, length, out, H, Hkv, D, block_size, scale, kvh);
+}
+
 /* ---------------------------------------------------------------- the other loops, per storage type */
 
 /* A float32 buffer of at least n values for the calling thread, kept for its next call: a step's

@@ -108,14 +108,7 @@ static void NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64
         for (; i < count; i++) to[i] = LOAD1(run + i);
     }
     const int64_t one_block = 0;
-    for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-        if (D == 64)
-            decode_one(qf, staged, &one_block, length, of, H, Hkv, 64, length, scale, kvh);
-        else if (D == 128)
-            decode_one(qf, staged, &one_block, length, of, H, Hkv, 128, length, scale, kvh);
-        else
-            decode_one(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh);
-    }
+    for (int64_t kvh = 0; kvh < Hkv; kvh++) decode_head(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh);
     int64_t i = 0;
     for (; i + 8 <= H * D; i += 8) STORE8(out + i, load8(of + i));
     for (; i < H * D; i++) STORE1(out + i, of[i]);
@@ -138,13 +131,7 @@ void NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cac
         const ELEM *qs = q + s * q_stride;
         const int64_t *table = tables + s * width;
         ELEM *os = out + s * H * D;
-        /* the common head sizes as constants: the compiler unrolls the per-position loops */
-        if (D == 64)
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 64, block_size, scale, kvh);
-        else if (D == 128)
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, 128, block_size, scale, kvh);
-        else
-            decode_one(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh);
+        decode_head(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh);
     }
 #endif
 }
