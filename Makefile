@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup setup-gpu setup-vllm quickstart test test-avx2 test-all test-vllm bench docs clean
+.PHONY: setup setup-gpu setup-vllm quickstart test test-avx2 test-torch-kernels test-all test-vllm bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,12 +43,21 @@ quickstart: setup
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
-# the kernel, engine and training tests with oneDNN held to AVX2 (torch's bundled oneDNN honours it) and the
-# native engine's compiled decode loops built for AVX2 (x86-64-v3): an AVX-512 machine then runs what an
-# AVX2-only CPU would, bf16 fall-backs included
-AVX2_TESTS := tests/test_kernels.py tests/engines tests/train tests/test_train_e2e.py tests/cli/test_dry_run.py
+# Which kernels compute is a per-machine verdict (colorl/verdicts.py); the suite forces it (tests/conftest.py:
+# oneDNN for every product it runs, the compiled decode loops at every row count), so a test sees the same
+# kernels on every CPU. The lanes below run the kernel, engine and training tests again under the other
+# verdicts, so every path a machine's race can pick is tested on whichever CPU CI has.
+KERNEL_TESTS := tests/test_kernels.py tests/test_verdicts.py tests/engines tests/train tests/test_train_e2e.py \
+	tests/cli/test_dry_run.py
+# oneDNN held to AVX2 (torch's bundled oneDNN honours it) and the loops built for AVX2 (x86-64-v3): an AVX-512
+# machine then runs what an AVX2-only CPU would, bf16 fall-backs included
 test-avx2: $(DEV_STAMP)
-	ONEDNN_MAX_CPU_ISA=AVX2 COLORL_CPU_DECODE_ARCH=x86-64-v3 $(BIN)/python -m pytest -q $(AVX2_TESTS)
+	ONEDNN_MAX_CPU_ISA=AVX2 COLORL_CPU_DECODE_ARCH=x86-64-v3 $(BIN)/python -m pytest -q $(KERNEL_TESTS)
+
+# every product on torch's own kernels (MKL) and none on the loops' rows kernel: what a CPU whose races all
+# go the other way (an Intel Xeon's fp32 race picks MKL) computes with
+test-torch-kernels: $(DEV_STAMP)
+	COLORL_ONEDNN=0 COLORL_CPU_DECODE_ROWS=none $(BIN)/python -m pytest -q $(KERNEL_TESTS)
 
 test-all: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"

@@ -295,10 +295,25 @@ def _flow(mapping: dict) -> str:
     return "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in mapping.items()) + "}"
 
 
+def kernel_thread_counts() -> tuple[int, ...]:
+    """The thread counts a CPU run uses here: one (a rank of many, a bounded-lag loop) and every core."""
+    return tuple(sorted({1, os.cpu_count() or 1}))
+
+
+def cmd_kernels() -> int:
+    from colorl.engines.native.kernel_report import kernel_lines
+
+    for line in kernel_lines(kernel_thread_counts()):
+        print(line, flush=True)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from colorl.config import ConfigError
     from colorl.preflight import preflight
 
+    if args.kernels:
+        return cmd_kernels()
     try:
         plan = plan_cases(args)
         for note in plan.notes + preflight(plan.case_config(plan.cases[0])[1], plan.device):
@@ -311,6 +326,13 @@ def cmd_doctor(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"colorl doctor: {len(plan.cases)} cases, {STEPS} steps each, {plan.nproc} x {plan.device}; "
           f"report: {out / 'doctor.json'}", flush=True)
+    kernels = []
+    if plan.device == "cpu":
+        from colorl.engines.native.kernel_report import kernel_lines
+
+        kernels = kernel_lines(kernel_thread_counts())
+        for line in kernels:
+            print(f"colorl doctor: kernels: {line}", flush=True)
     outcomes = []
     for case in plan.cases:
         try:
@@ -323,7 +345,7 @@ def cmd_doctor(args) -> int:
         for line in memory_lines(outcome, plan.device):
             print(line, flush=True)
     (out / "doctor.json").write_text(json.dumps(
-        {"machine": machine(), "device": plan.device, "nproc": plan.nproc, "config": args.config,
+        {"machine": machine(), "kernels": kernels, "device": plan.device, "nproc": plan.nproc, "config": args.config,
          "cases": [asdict(o) for o in outcomes]}, indent=1))
     failed = [o.case for o in outcomes if not o.passed]
     print(f"colorl doctor: {len(outcomes) - len(failed)} of {len(outcomes)} cases pass"
@@ -341,4 +363,7 @@ def add_doctor_parser(sub) -> None:
     parser.add_argument("--nproc", type=int, help="ranks per case (default: the config's launch.nproc; 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="folder for the case runs and doctor.json (default: runs/doctor-TIME)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only say which CPU kernels compute here (oneDNN or torch's, the compiled decode loops, "
+                             "each verdict and where it came from), then exit")
     parser.set_defaults(func=cmd_doctor)

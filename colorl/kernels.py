@@ -19,26 +19,24 @@ strides), the op torch's own CPU inductor uses for linears.
 
 Which dtypes oneDNN takes is asked of this machine, not assumed: one tiny product of each dtype
 (packed and plain) runs once per process (`onednn_dtypes`). Whether it is also the faster library
-here is measured, not read from the vendor's name: the first product of a dtype times oneDNN
-against torch's default (MKL's sgemm) at a training-size and a decode-size product, alternating,
-and keeps oneDNN only when it takes no longer over the two (`onednn_chosen`; about 0.1 s). The
-verdict is kept per machine (CPU model and flags, torch version, oneDNN's ISA cap, dtype) in
-`~/.cache/colorl/kernels.json` (`COLORL_CACHE`), measured by one process at a time under a lock, so
-every process on the machine (the ranks of one run too), and a run and its resume, compute with the
-same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
-skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it; deleting the file races again.
-torch's own bf16 checks read the CPU's flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16 path; `ONEDNN_MAX_CPU_ISA=AVX2`
-holds an AVX-512 machine to the same), so a dtype that fails the probe takes torch's kernels.
-Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple silicon torch's
-own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / torch's matmuls.
+here is measured, not read from the vendor's name: the first product of a dtype at a thread count
+races oneDNN against torch's default (MKL's sgemm) at a training-size and a decode-size product
+(colorl/verdicts.py: best of alternating rounds, oneDNN only when clearly faster in every pass, a
+verdict taken on a busy machine raced again when it is quiet), kept per machine and thread count in
+`~/.cache/colorl/kernels.json` (`COLORL_CACHE`) and in the run directory, so every rank of a run and
+its resume compute with the same library: bit-exact resumes stay bit-exact. `COLORL_ONEDNN=1`
+skips the race and takes oneDNN, `COLORL_ONEDNN=0` never uses it (the CI lanes force each, so that
+both paths are tested on every CPU); deleting the file races again.
+torch's own bf16 checks read the CPU's flags, but oneDNN can refuse more (an AVX2-only CPU has no bf16
+path; `ONEDNN_MAX_CPU_ISA=AVX2` holds an AVX-512 machine to the same), so a dtype that fails the probe
+takes torch's kernels. Everything else (CUDA, float16, a torch without oneDNN, a non-x86 CPU — on Apple
+silicon torch's own kernels use the matrix units — or `COLORL_ONEDNN=0`) runs `F.linear` / torch's matmuls.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import platform
-import time
 import types
 
 import torch
@@ -88,130 +86,62 @@ def onednn_dtypes() -> frozenset[torch.dtype]:
 
 
 RACE_SHAPES = ((256, 576, 1536), (16, 576, 1536))  # (rows, in, out): a training micro-batch slice, a decode step
-RACE_ROUNDS = 5
 
 
-def median_seconds(products, rounds: int) -> list[float]:
-    """Each product's median time over `rounds` alternating runs after one warm-up each: the machine
-    is shared, so the contenders take turns and an interruption hits one round, not a verdict."""
-    for product in products:
-        product()
-    times: list[list[float]] = [[] for _ in products]
-    for _ in range(rounds):
-        for i, product in enumerate(products):
-            started = time.perf_counter()
-            product()
-            times[i].append(time.perf_counter() - started)
-    return [sorted(t)[rounds // 2] for t in times]
+def race_onednn(dtype: torch.dtype) -> dict:
+    """oneDNN (over a packed weight at decode size, as the engine runs it) against torch's default at
+    RACE_SHAPES, through colorl.verdicts.stable_race: oneDNN wins only by a margin, in every pass."""
+    from colorl.verdicts import stable_race
 
-
-def race_onednn(dtype: torch.dtype) -> tuple[float, float]:
-    """(oneDNN seconds, torch default seconds) over RACE_SHAPES: the median of RACE_ROUNDS alternating
-    runs per shape, oneDNN over a packed weight at decode size as the engine runs it."""
     gen = torch.Generator().manual_seed(0)
-    totals = [0.0, 0.0]
+    operands = []
     for rows, n_in, n_out in RACE_SHAPES:
         x = torch.randn(rows, n_in, generator=gen).to(dtype)
         weight = torch.randn(n_out, n_in, generator=gen).to(dtype)
         with torch.no_grad():
-            operand = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if rows < 64 else weight
-            medians = median_seconds((lambda: torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], ""),
-                                      lambda: F.linear(x, weight)), RACE_ROUNDS)
-        totals = [total + median for total, median in zip(totals, medians)]
-    return totals[0], totals[1]
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if rows < 64 else weight
+        operands.append((x, weight, packed))
+
+    def onednn():
+        with torch.no_grad():
+            for x, _, packed in operands:
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def default():
+        with torch.no_grad():
+            for x, weight, _ in operands:
+                F.linear(x, weight)
+
+    return stable_race({"onednn": (onednn, default)})
+
+
+def forced_onednn() -> bool | None:
+    """COLORL_ONEDNN=1 takes oneDNN for every dtype it runs, =0 never uses it; unset: the race decides."""
+    value = os.environ.get("COLORL_ONEDNN", "")
+    return {"1": True, "0": False}.get(value)
+
+
+def onednn_verdict_name(dtype: torch.dtype, threads: int) -> str:
+    return f"onednn {dtype} at {threads} threads"
 
 
 @functools.cache
+def _chosen(dtype: torch.dtype, threads: int) -> bool:
+    from colorl.verdicts import measured_verdict
+
+    verdict = measured_verdict(onednn_verdict_name(dtype, threads), lambda: race_onednn(dtype), keys=("won",))
+    return "onednn" in verdict["won"]
+
+
 def onednn_chosen(dtype: torch.dtype) -> bool:
-    """colorl sends `dtype`'s CPU products to oneDNN: it runs them here and, unless COLORL_ONEDNN=1,
-    was not slower than torch's default in this machine's race (raced once, kept in kernels.json)."""
+    """colorl sends `dtype`'s CPU products to oneDNN at this thread count: oneDNN runs them here and, unless
+    forced (COLORL_ONEDNN), it beat torch's default clearly in this machine's race (kept in kernels.json)."""
     if dtype not in onednn_dtypes():
         return False
-    if os.environ.get("COLORL_ONEDNN") == "1":
-        return True
-
-    def measure() -> dict:
-        onednn_s, default_s = race_onednn(dtype)
-        return {"onednn": onednn_s <= default_s, "onednn_s": onednn_s, "default_s": default_s}
-
-    return bool(measured_verdict(str(dtype), measure)["onednn"])
-
-
-def measured_verdict(name: str, measure) -> dict:
-    """What `measure()` found on this machine (CPU model and flags, torch), measured once and kept in
-    kernels.json: every process here, and a run and its resume, decide the same way."""
-    key = f"{machine_key()} {name}"
-    verdict = _read_verdicts().get(key)
-    if verdict is None:
-        with _verdicts_lock():  # the ranks of a run start together: one measures, the others wait and read
-            verdicts = _read_verdicts()
-            if key not in verdicts:
-                verdicts[key] = measure()
-                _write_verdicts(verdicts)
-            verdict = verdicts[key]
-    return verdict
-
-
-@contextlib.contextmanager
-def _verdicts_lock():
-    """An exclusive lock on kernels.json's neighbour, held while measuring: two processes that measured
-    at once would disturb each other's timings and could decide differently (a two-rank run whose ranks
-    round differently). Without a writable cache there is nothing to share, and no lock."""
-    import fcntl
-
-    path = _verdicts_path().with_suffix(".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
-def _verdicts_path():
-    from colorl.models import cache_root
-
-    return cache_root() / "kernels.json"
-
-
-def machine_key() -> str:
-    """This CPU (model and flags) and torch: what a measured or compiled kernel holds for."""
-    import hashlib
-
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        info = platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    caps = "".join(f" {name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-                   if os.environ.get(name))
-    return f"{hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]} torch {torch.__version__}{caps}"
-
-
-def _read_verdicts() -> dict:
-    import json
-
-    try:
-        return json.loads(_verdicts_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_verdicts(verdicts: dict) -> None:
-    """Atomically, so concurrent ranks never read half a file; a cache that cannot be written is skipped."""
-    import json
-
-    from colorl.files import write_atomic
-
-    path = _verdicts_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(verdicts, indent=1))
-    except OSError:
-        pass
+    forced = forced_onednn()
+    if forced is not None:
+        return forced
+    return _chosen(dtype, torch.get_num_threads())
 
 
 def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

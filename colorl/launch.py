@@ -131,11 +131,6 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
     if device == "cpu":
         for key, value in CPU_MALLOC_ENV.items():  # read by glibc when each spawned rank starts
             os.environ.setdefault(key, value)
-        if nproc > 1:  # the oneDNN-or-MKL race once, here, for every dtype: every rank reads the same verdicts
-            from colorl.kernels import onednn_chosen, onednn_dtypes
-
-            for dtype in onednn_dtypes():
-                onednn_chosen(dtype)
     ctx = mp.get_context("spawn")
     error_dir = tempfile.mkdtemp(prefix="colorl-errors-")
     port = free_port()

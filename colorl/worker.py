@@ -240,7 +240,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
 
 
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
+    from colorl.verdicts import record_in_run
+
     torch.manual_seed(cfg.run.seed + rank)
+    record_in_run(run_dir / "kernels.json")  # every rank, and a resume, compute with the kernels the run chose
     if rank == 0:
         resolve_model_path(cfg.model.path)  # builds a cached alias once, before the others read it
     dist.barrier()

@@ -91,14 +91,18 @@ def test_onednn_held_to_avx2_keeps_fp32_and_gives_bf16_to_torch():
 def fresh_choice(monkeypatch, tmp_path):
     monkeypatch.delenv("COLORL_ONEDNN", raising=False)
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))  # no verdict kept yet
-    kernels.onednn_chosen.cache_clear()
+    kernels._chosen.cache_clear()
     yield
-    kernels.onednn_chosen.cache_clear()
+    kernels._chosen.cache_clear()
 
 
-@pytest.mark.parametrize("onednn_s, default_s, chosen", [(1.0, 2.0, True), (2.0, 1.0, False)])
-def test_the_library_this_cpu_measures_faster_does_the_products(fresh_choice, monkeypatch, onednn_s, default_s, chosen):
-    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: (onednn_s, default_s))
+def verdict_of(won: bool) -> dict:
+    return {"won": ["onednn"] if won else [], "busy": False, "seconds": {"onednn": [[1.0, 2.0 if won else 0.5]] * 2}}
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_the_library_this_cpu_measures_faster_does_the_products(fresh_choice, monkeypatch, chosen):
+    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: verdict_of(chosen))
     assert kernels.onednn_chosen(torch.float32) is chosen
     x, weight = torch.randn(5, 16), torch.randn(8, 16)
     assert kernels._runs_on_onednn(x, weight) is chosen
@@ -107,9 +111,9 @@ def test_the_library_this_cpu_measures_faster_does_the_products(fresh_choice, mo
 
 def test_the_verdict_is_kept_for_every_later_process(fresh_choice, monkeypatch, tmp_path):
     """A run and its resume (and every rank) compute with the same library: raced once per machine."""
-    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: (2.0, 1.0))
+    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: verdict_of(False))
     assert not kernels.onednn_chosen(torch.float32)
-    kernels.onednn_chosen.cache_clear()  # as a new process would start
+    kernels._chosen.cache_clear()  # as a new process would start
 
     def no_race(dtype):
         raise AssertionError("raced again")
@@ -117,12 +121,39 @@ def test_the_verdict_is_kept_for_every_later_process(fresh_choice, monkeypatch, 
     monkeypatch.setattr(kernels, "race_onednn", no_race)
     assert not kernels.onednn_chosen(torch.float32)
     (verdict,) = json.loads((tmp_path / "kernels.json").read_text()).values()
-    assert verdict == {"onednn": False, "onednn_s": 2.0, "default_s": 1.0}
+    assert {k: v for k, v in verdict.items() if k != "measured"} == verdict_of(False)
+
+
+def test_the_verdict_is_kept_per_thread_count(fresh_choice, monkeypatch):
+    """bounded-lag runs its loops at other thread counts than a colocated step: each races for itself."""
+    raced = []
+    monkeypatch.setattr(kernels, "race_onednn",
+                        lambda dtype: raced.append(torch.get_num_threads()) or verdict_of(torch.get_num_threads() == 1))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 1, 2):
+            torch.set_num_threads(count)
+            assert kernels.onednn_chosen(torch.float32) is (count == 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert raced == [1, 2]
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_colorl_onednn_forces_either_verdict_without_a_race(fresh_choice, monkeypatch, forced):
+    def no_race(dtype):
+        raise AssertionError("raced")
+
+    monkeypatch.setenv("COLORL_ONEDNN", forced)
+    monkeypatch.setattr(kernels, "race_onednn", no_race)
+    assert kernels.onednn_chosen(torch.float32) is (forced == "1")
+    x, weight = torch.randn(5, 16), torch.randn(8, 16)
+    assert kernels._runs_on_onednn(x, weight) is (forced == "1")
 
 
 _MEASURE_AS_THIS_PROCESS = """
 import os, time
-from colorl.kernels import measured_verdict
+from colorl.verdicts import measured_verdict
 def measure():
     time.sleep(0.5)  # long enough that the processes started together all ask before any has written
     return {"measured_by": os.getpid()}
@@ -143,20 +174,14 @@ def test_processes_that_ask_at_once_take_one_verdict(tmp_path):
 def test_a_capped_instruction_set_is_measured_apart(fresh_choice, monkeypatch):
     """`ONEDNN_MAX_CPU_ISA=AVX2` runs other kernels than the uncapped machine: its own verdict."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    uncapped = kernels.machine_key()
+    from colorl.machine import machine_key
+
+    uncapped = machine_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert kernels.machine_key() != uncapped
-
-
-def test_colorl_onednn_1_takes_onednn_without_a_race(fresh_choice, monkeypatch):
-    def no_race(dtype):
-        raise AssertionError("raced")
-
-    monkeypatch.setenv("COLORL_ONEDNN", "1")
-    monkeypatch.setattr(kernels, "race_onednn", no_race)
-    assert kernels.onednn_chosen(torch.float32)
+    assert machine_key() != uncapped
 
 
 def test_the_race_times_both_libraries_at_both_shapes():
-    onednn_s, default_s = kernels.race_onednn(torch.float32)
-    assert 0 < onednn_s < 5 and 0 < default_s < 5
+    verdict = kernels.race_onednn(torch.float32)
+    assert set(verdict["seconds"]) == {"onednn"} and set(verdict["won"]) <= {"onednn"}
+    assert all(0 < seconds < 5 for passes in verdict["seconds"]["onednn"] for seconds in passes)

@@ -10,34 +10,22 @@ about 40 torch operators per layer (norms, RoPE, the padded gather of every sequ
 for SDPA, its mask): each is a dispatch of microseconds that does nanoseconds of work. In bf16
 the torch path is slower still (its decode attention took 45 % of a step).
 
-How it is built: on first use, with the machine's C compiler (`CC`, else `cc`), `-O3
--march=native -fopenmp` (`COLORL_CPU_DECODE_ARCH` overrides the -march), into
-`colorl.models.cache_root()/cpu_decode/<hash>.so` (the hash covers the sources, the flags, the
-compiler and the CPU), atomically so concurrent ranks never load half a file; a second or two.
-It is loaded after torch, so its OpenMP calls join torch's own runtime and thread team (no
-second pool of spinning threads). No compiler, a failed build, a non-x86/ARM machine or
-`COLORL_CPU_DECODE=0`: `load()` returns None and the engine runs torch's operators, with the
-same results to float32 rounding (to one bf16 step in bf16; tests/engines/test_cpu_decode.py).
+How it is built: on first use, with the machine's C compiler, for this CPU, into the user's cache, checked
+in a child process before it is ever loaded here, and linked to torch's own OpenMP runtime
+(cpu_build.py says how and why). No compiler, a failed build or check, a non-x86/ARM machine or
+`COLORL_CPU_DECODE=0`: `load()` returns None, one line on stderr says why (`why_not()`; `colorl doctor
+--kernels` too), and the engine runs torch's operators, with the same results to float32 rounding (to one
+bf16 step in bf16; tests/engines/test_cpu_decode.py).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-HEADER = SOURCE.with_name("cpu_decode_loops.h")  # included by SOURCE
-FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, oneDNN's ground
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_ROUNDS = 3
@@ -106,18 +94,27 @@ class CpuDecode:
                 function = self._functions[name, dtype] = getattr(library, name + suffix)
                 function.argtypes, function.restype = args, result
 
-    @functools.cache
     def rows_won(self, dtype: torch.dtype) -> frozenset[int]:
         """Row counts at which `linear` beats the engine's other products (oneDNN over packed weights,
-        where chosen) in `dtype` on this machine at this thread count: raced once per build (a
-        changed kernel is raced again), kept in kernels.json."""
-        from colorl.kernels import measured_verdict
-
+        where chosen) in `dtype` on this machine at the current thread count (bounded-lag changes it
+        between loops): forced by COLORL_CPU_DECODE_ROWS, else raced once per build, dtype and thread
+        count (colorl/verdicts.py) and kept in kernels.json."""
         if dtype not in DTYPES:
             return frozenset()
-        threads = torch.get_num_threads()
-        name = f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
-        return frozenset(measured_verdict(name, lambda: race_rows(self, dtype))["rows"])
+        forced = forced_rows()
+        if forced is not None:
+            return forced
+        return self._raced_rows(dtype, torch.get_num_threads())
+
+    def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
+        return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
+
+    @functools.cache
+    def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
+        from colorl.verdicts import measured_verdict
+
+        verdict = measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype), keys=("won",))
+        return frozenset(int(rows) for rows in verdict["won"])
 
     @_timed("products")
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -183,71 +180,70 @@ class CpuDecode:
         return out
 
 
+def forced_rows() -> frozenset[int] | None:
+    """COLORL_CPU_DECODE_ROWS: "all", "none" or row counts ("1,2,5"), for every dtype and thread count
+    (the CI lanes force each extreme, so that both kernels are tested at every row count on any CPU);
+    unset: the race decides."""
+    value = os.environ.get("COLORL_CPU_DECODE_ROWS", "").strip().lower()
+    if not value:
+        return None
+    if value == "all":
+        return frozenset(range(1, MAX_ROWS + 1))
+    if value == "none":
+        return frozenset()
+    try:
+        rows = frozenset(int(part) for part in value.split(","))
+    except ValueError:
+        rows = frozenset({0})
+    if not rows <= set(range(1, MAX_ROWS + 1)):
+        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_ROWS}")
+    return rows
+
+
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
-    """For 1..MAX_ROWS rows: the median of RACE_ROUNDS alternating runs of each kernel over weights
-    that do not fit in cache, as a decode step streams them."""
-    from colorl.kernels import PackedLinears, median_seconds
+    """For 1..MAX_ROWS rows, the loops against the engine's other product over weights that do not fit in
+    cache, as a decode step streams them (colorl.verdicts.stable_race: the loops win a row count only
+    clearly, in every pass)."""
+    from colorl.kernels import PackedLinears
+    from colorl.verdicts import stable_race
 
     gen = torch.Generator().manual_seed(0)
     matrices = RACE_MATRICES * 4 // dtype.itemsize  # the same bytes in either dtype
     weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(matrices)]
     packed = PackedLinears()
     packed.repack(weights)
-    won, seconds = [], {}
+    items = {}
     for rows in range(1, MAX_ROWS + 1):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
-        compiled_s, other_s = median_seconds((lambda: [compiled.linear(x, w, None) for w in weights],
-                                              lambda: [packed.linear(x, w, None) for w in weights]), RACE_ROUNDS)
-        seconds[rows] = [compiled_s, other_s]
-        if compiled_s < other_s:
-            won.append(rows)
-    return {"rows": won, "seconds": seconds}
+        items[rows] = (lambda x=x: [compiled.linear(x, w, None) for w in weights],
+                       lambda x=x: [packed.linear(x, w, None) for w in weights])
+    return stable_race(items, RACE_ROUNDS)
 
 
 @functools.cache
-def load() -> CpuDecode | None:
-    """The library for this machine, built on first use; None where it cannot be (see the module doc)."""
-    if os.environ.get("COLORL_CPU_DECODE", "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        return None
+def _loaded() -> tuple[CpuDecode | None, str | None]:
+    from colorl.engines.native.cpu_build import LoopsUnavailable, build_library, open_library
+
     try:
-        library = _build(compiler)
-        return CpuDecode(ctypes.CDLL(str(library)), library.stem)
-    except (OSError, subprocess.SubprocessError, AttributeError):
-        return None
+        built = build_library()
+        return CpuDecode(open_library(built), built.build), None
+    except LoopsUnavailable as exc:
+        reason = str(exc)
+    except (OSError, AttributeError) as exc:  # a library that does not load, or lacks a kernel
+        reason = f"the compiled library did not load ({exc})"
+    if os.environ.get("COLORL_CPU_DECODE", "1") != "0":  # a deliberate switch-off needs no word
+        from colorl.verdicts import warn_once
+
+        warn_once(f"the native engine's compiled decode loops are not used: {reason}; it runs torch's operators")
+    return None, reason
 
 
-def _compiler() -> list[str] | None:
-    command = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    if not command or shutil.which(command[0]) is None:
-        command = ["cc"]
-    return command if shutil.which(command[0]) else None
+def load() -> CpuDecode | None:
+    """The library for this machine, built on first use; None where it cannot be (why_not says why, and
+    the first call said it on stderr)."""
+    return _loaded()[0]
 
 
-def _flags() -> tuple[str, ...]:
-    """For this CPU; `COLORL_CPU_DECODE_ARCH` (a -march value, e.g. x86-64-v3 for AVX2) builds for an
-    older one: `make test-avx2` runs the loops as an AVX2-only machine would."""
-    return (f"-march={os.environ.get('COLORL_CPU_DECODE_ARCH') or 'native'}", *FLAGS)
-
-
-def _build(compiler: list[str]) -> Path:
-    from colorl.kernels import machine_key
-    from colorl.models import cache_root
-
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = _flags()
-    digest = hashlib.sha1("\n".join([SOURCE.read_text(), HEADER.read_text(), " ".join(flags), " ".join(compiler), version,
-                                     machine_key()]).encode()).hexdigest()[:16]
-    library = cache_root() / "cpu_decode" / f"{digest}.so"
-    if library.is_file():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"{digest}.{os.getpid()}.so")
-    subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
-                   timeout=120)
-    os.replace(partial, library)  # atomic: a concurrent rank sees no file or the whole one
-    return library
+def why_not() -> str | None:
+    """Why `load()` gives None here; None when the loops are used."""
+    return _loaded()[1]

@@ -1,0 +1,78 @@
+"""Which kernels compute here, and why: the CPU, what oneDNN runs, whether the native engine's compiled
+loops are used, and each per-machine verdict (forced, raced, or raced on a busy machine). Printed by
+`colorl doctor --kernels` and at the top of every test session, so a failure names the machine and the
+kernels it ran with."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _source(forced_by: str | None, verdict: dict | None) -> str:
+    if forced_by:
+        return f"forced by {forced_by}"
+    if verdict is None:
+        return "raced"
+    return "raced on a busy machine, provisional" if verdict.get("busy") else "raced"
+
+
+def _rows_text(rows: frozenset[int]) -> str:
+    from colorl.engines.native.cpu_decode import MAX_ROWS
+
+    if not rows:
+        return "none"
+    if rows == frozenset(range(1, MAX_ROWS + 1)):
+        return f"all 1-{MAX_ROWS}"
+    return ",".join(str(r) for r in sorted(rows))
+
+
+def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
+    """One line for the CPU, one for the loops' build, one per thread count and dtype. Races what is not
+    decided yet (as the first run here would)."""
+    import os
+
+    from colorl import kernels
+    from colorl.engines.native import cpu_decode
+    from colorl.machine import cpu_summary
+    from colorl.verdicts import kept_verdict
+
+    lines = [f"cpu: {cpu_summary()}"]
+    runs = sorted(_short(d) for d in kernels.onednn_dtypes())
+    caps = " ".join(f"{name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                                               "COLORL_CPU_DECODE_ARCH") if os.environ.get(name))
+    lines.append(f"oneDNN runs: {', '.join(runs) or 'nothing (off, not x86, or not in this torch)'}"
+                 + (f" ({caps})" if caps else ""))
+    library = cpu_decode.load()
+    lines.append(f"decode loops: built {library.build}" if library is not None
+                 else f"decode loops: not used ({cpu_decode.why_not()})")
+    threads_now = torch.get_num_threads()
+    forced_onednn = "COLORL_ONEDNN=" + os.environ["COLORL_ONEDNN"] if kernels.forced_onednn() is not None else None
+    forced_rows = ("COLORL_CPU_DECODE_ROWS=" + os.environ["COLORL_CPU_DECODE_ROWS"]
+                   if cpu_decode.forced_rows() is not None else None)
+    try:
+        for threads in thread_counts or (threads_now,):
+            torch.set_num_threads(threads)
+            for dtype in DTYPES:
+                if dtype in kernels.onednn_dtypes():
+                    chosen = kernels.onednn_chosen(dtype)
+                    verdict = None if forced_onednn else kept_verdict(kernels.onednn_verdict_name(dtype, threads))
+                    products = f"{'oneDNN' if chosen else 'torch (MKL)'} ({_source(forced_onednn, verdict)})"
+                else:
+                    products = "torch"
+                text = f"{threads} thread{'s' if threads > 1 else ''}, {_short(dtype)}: products {products}"
+                if library is not None:
+                    rows = library.rows_won(dtype)
+                    verdict = None if forced_rows else kept_verdict(library.rows_verdict_name(dtype, threads))
+                    text += (f"; decode rows on the loops: {_rows_text(rows)} ({_source(forced_rows, verdict)}); "
+                             "decode attention, norms, RoPE: the loops")
+                else:
+                    text += "; decode attention: torch SDPA"
+                lines.append(text)
+    finally:
+        torch.set_num_threads(threads_now)
+    return lines

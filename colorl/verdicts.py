@@ -1,0 +1,266 @@
+"""Which of two kernels this machine runs faster, measured once and kept (`cache_root()/kernels.json`), so
+every process here (the ranks of a run, a run and its resume) computes with the same kernels.
+
+A user's machine is often busy, and a race run beside a busy neighbour can be fooled: on a 2-core Xeon
+every row count of the decode race took 20x its quiet time, and the kept verdict gave the 1-row product
+to the slower kernel for good. So a race here:
+- times each contender by its best of several alternating rounds (a neighbour only ever adds time, so the
+  best round is the one it did not disturb);
+- gives an item to the candidate only when it is faster by MARGIN: a near tie (0.00170 s against 0.00166 s)
+  stays with the baseline instead of flipping with the noise;
+- runs two passes and gives the candidate only the items it won in both (a third pass when they differ);
+- watches what the rest of the machine did meanwhile (/proc/stat): a race run while other processes used
+  the CPUs stops after one pass, gives the candidate only wins by BUSY_MARGIN, and its verdict is kept as
+  provisional and raced again by the first process that finds the machine quiet.
+Verdicts are keyed by the machine (colorl.machine.machine_key) and by the name the caller gives, which
+names the thread count: a verdict at 2 threads does not decide for 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Hashable
+
+MARGIN = 0.05  # the candidate must be this much faster to win an item
+BUSY_MARGIN = 0.25  # on a busy machine, where one pass's noise is wider
+ROUNDS = 5
+BUSY_CORES = 0.3  # other processes' average CPU use (in cores) above which a race is provisional
+QUIET_PROBE_S = 0.1
+
+Product = Callable[[], object]
+
+
+@dataclass
+class RaceResult:
+    """One pass: each item's best seconds (candidate, baseline), and how busy the rest of the machine was."""
+
+    seconds: dict[Hashable, tuple[float, float]]
+    others_cores: float | None  # None where the system does not say (no /proc/stat)
+
+    def won(self, margin: float = MARGIN) -> set[Hashable]:
+        return {item for item, (candidate, baseline) in self.seconds.items() if candidate <= baseline * (1 - margin)}
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(every CPU's busy ticks, this process's ticks) as Linux counts them; None elsewhere."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = [int(v) for v in handle.readline().split()[1:]]
+        with open("/proc/self/stat") as handle:
+            own = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy
+    return sum(fields[:8]) - idle, int(own[11]) + int(own[12])  # utime + stime (fields 14, 15)
+
+
+class OthersLoad:
+    """Measures what other processes used of the CPUs between start and `cores()`, in cores on average."""
+
+    def __init__(self) -> None:
+        self._wall, self._ticks = time.perf_counter(), _cpu_jiffies()
+
+    def cores(self) -> float | None:
+        ticks = _cpu_jiffies()
+        if ticks is None or self._ticks is None:
+            return None
+        hertz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        others = (ticks[0] - self._ticks[0]) - (ticks[1] - self._ticks[1])
+        return max(0.0, others / hertz / max(time.perf_counter() - self._wall, 1e-3))
+
+
+def machine_busy() -> bool:
+    """Whether other processes use the CPUs now (a short look); False where the system does not say."""
+    load = OthersLoad()
+    time.sleep(QUIET_PROBE_S)
+    cores = load.cores()
+    return cores is not None and cores > BUSY_CORES
+
+
+def race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> RaceResult:
+    """Each item's (candidate, baseline) products: one warm-up each, then `rounds` alternating runs; each
+    contender's best round counts."""
+    load = OthersLoad()
+    best: dict[Hashable, list[float]] = {}
+    for item, products in items.items():
+        for product in products:
+            product()
+        best[item] = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for item, products in items.items():
+            for i, product in enumerate(products):
+                started = time.perf_counter()
+                product()
+                best[item][i] = min(best[item][i], time.perf_counter() - started)
+    return RaceResult({item: (t[0], t[1]) for item, t in best.items()}, load.cores())
+
+
+def _busy(result: RaceResult) -> bool:
+    return result.others_cores is not None and result.others_cores > BUSY_CORES
+
+
+def stable_race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> dict:
+    """The items the candidate wins in every pass (two, or three when the first two disagree), each pass's
+    seconds, and `busy` when other processes used the CPUs during the first pass: the verdict is then
+    provisional, taken from that one pass with the wider BUSY_MARGIN (a near tie stays with the baseline)."""
+    passes = [race(items, rounds)]
+    if _busy(passes[0]):  # provisional anyway: no more of a busy machine's time, and only a wide win counts
+        won = passes[0].won(BUSY_MARGIN)
+    else:
+        passes.append(race(items, rounds))
+        if passes[0].won() != passes[1].won():
+            passes.append(race(items, rounds))
+        won = set.intersection(*(p.won() for p in passes))
+    loads = [p.others_cores for p in passes if p.others_cores is not None]
+    return {"won": sorted(won, key=str), "busy": any(_busy(p) for p in passes),
+            "others_cores": round(max(loads), 2) if loads else None,
+            "seconds": {str(item): [[round(s, 7) for s in p.seconds[item]] for p in passes] for item in items}}
+
+
+def verdicts_path() -> Path:
+    from colorl.models import cache_root
+
+    return cache_root() / "kernels.json"
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr per process for each distinct message."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"colorl: {message}", file=sys.stderr, flush=True)
+
+
+def read_verdicts(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        warn_once(f"cannot read the kernel verdicts ({path}: {exc.strerror}); racing the kernels in this process")
+        return {}
+    try:
+        verdicts = json.loads(text)
+        if not isinstance(verdicts, dict):
+            raise ValueError("not an object")
+        return verdicts
+    except ValueError:
+        warn_once(f"the kernel verdicts in {path} are damaged; racing the kernels again and replacing the file")
+        return {}
+
+
+def _write_verdicts(path: Path, verdicts: dict) -> None:
+    """Atomically, so concurrent ranks never read half a file; a cache that cannot be written is said once."""
+    from colorl.files import write_atomic
+
+    try:
+        write_atomic(path, json.dumps(verdicts, indent=1))
+    except OSError as exc:
+        warn_once(f"cannot keep the kernel verdicts in {path} ({exc}); every process will race them again")
+
+
+_lock_depth = threading.local()
+
+
+@contextlib.contextmanager
+def _verdicts_lock():
+    """An exclusive lock on kernels.json's neighbour, held while measuring: two processes that measured at once
+    would disturb each other's timings and could decide differently. Re-entrant within a thread (a race may
+    need another verdict: the rows race packs weights through oneDNN's). Without a writable cache there is
+    nothing to share, and no lock."""
+    import fcntl
+
+    from colorl.files import private_dir
+
+    depth = getattr(_lock_depth, "value", 0)
+    if depth:
+        _lock_depth.value = depth + 1
+        try:
+            yield
+        finally:
+            _lock_depth.value = depth
+        return
+    path = verdicts_path().with_suffix(".lock")
+    try:
+        private_dir(path.parent)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock_depth.value = 1
+        try:
+            yield
+        finally:
+            _lock_depth.value = 0
+
+
+_run_record: Path | None = None
+
+
+def record_in_run(path: Path | None) -> None:
+    """Keep the verdicts this process uses in the run directory too (`RUN_DIR/kernels.json`), and prefer the
+    ones found there: the ranks of a run and its resume on this machine compute with the same kernels even
+    when the machine's own verdicts were raced again meanwhile (bit-exact resumes stay bit-exact)."""
+    global _run_record
+    _run_record = None if path is None else Path(path)
+
+
+def kept_verdict(name: str) -> dict | None:
+    """The verdict this process would use for `name` without measuring (the run's record first), if any."""
+    from colorl.machine import machine_key
+
+    key = f"{machine_key()} {name}"
+    for path in ((_run_record,) if _run_record is not None else ()) + (verdicts_path(),):
+        verdict = read_verdicts(path).get(key)
+        if isinstance(verdict, dict):
+            return verdict
+    return None
+
+
+def _usable(verdict, keys: tuple[str, ...]) -> bool:
+    return isinstance(verdict, dict) and all(key in verdict for key in keys)
+
+
+def measured_verdict(name: str, measure: Callable[[], dict], keys: tuple[str, ...] = ()) -> dict:
+    """What `measure()` found on this machine for `name` (a dict holding `keys`), measured once and kept.
+    A verdict that `measure` marked `busy` (taken while other processes used the CPUs) is measured again
+    by the first process that finds the machine quiet, unless the run being resumed already used it."""
+    from colorl.machine import machine_key
+
+    key = f"{machine_key()} {name}"
+    run = _run_record
+    if run is not None:
+        verdict = read_verdicts(run).get(key)
+        if _usable(verdict, keys):
+            return verdict
+
+    def needs_measuring(verdict) -> bool:
+        return not _usable(verdict, keys) or (verdict.get("busy") and not machine_busy())
+
+    with _verdicts_lock():  # the ranks of a run start together: one measures, the others wait and read
+        if run is not None:
+            verdict = read_verdicts(run).get(key)
+            if _usable(verdict, keys):
+                return verdict
+        verdicts = read_verdicts(verdicts_path())
+        verdict = verdicts.get(key)
+        if needs_measuring(verdict):
+            verdict = verdicts[key] = measure()
+            verdict["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            if verdict.get("busy"):
+                warn_once("other processes were busy while colorl raced its CPU kernels: the verdicts are "
+                          "provisional and raced again when the machine is quiet (colorl doctor --kernels)")
+            _write_verdicts(verdicts_path(), verdicts)
+        if run is not None:
+            _write_verdicts(run, {**read_verdicts(run), key: verdict})
+    return verdict
