@@ -139,6 +139,60 @@ def qwen3_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("qwen3"), family="qwen3", head_dim=24, initializer_range=0.3)
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_bad_indices_are_refused_before_any_memory_is_touched(compiled, dtype):
+    """A bad block id or a length past the table row had segfaulted, an out-of-range KV slot had written 2 KB
+    out of bounds: each is an IndexError now, as torch's own indexing gives, with the cache untouched."""
+    heads, kv_heads, dim, block = 2, 1, 32, 4
+    cache = torch.zeros(8 * block, 2, kv_heads, dim, dtype=dtype)  # 8 blocks
+    q = torch.randn(1, heads, dim).to(dtype)
+    good_tables, good_lengths = torch.tensor([[0, 1]]), torch.tensor([5])
+    compiled.paged_decode(q, cache, good_tables, good_lengths, block, 0.1)
+    for tables, lengths in ((torch.tensor([[0, 8]]), good_lengths), (torch.tensor([[-1, 1]]), good_lengths),
+                            (good_tables, torch.tensor([9])), (good_tables, torch.tensor([0]))):
+        with pytest.raises(IndexError, match="outside the cache"):
+            compiled.paged_decode(q, cache, tables, lengths, block, 0.1)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos = sin = torch.ones(10, dim)
+    for positions, slots in ((torch.tensor([0]), torch.tensor([32])), (torch.tensor([0]), torch.tensor([-1])),
+                             (torch.tensor([10]), torch.tensor([0]))):
+        with pytest.raises(IndexError, match="outside the cache"):
+            compiled.rope_write_kv(qkv.clone(), heads, kv_heads, dim, cos, sin, positions, slots, cache)
+    assert not cache.any()
+
+
+def test_tensors_the_loops_cannot_read_are_refused(compiled):
+    """A strided weight had given a wrong result (max error 24.6) and fp32 input with a bf16 weight garbage (1e34);
+    checks are raised errors, which `python -O` keeps."""
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="contiguous CPU torch.float32"):
+        compiled.linear(x, torch.randn(16, 8).t(), None)
+    with pytest.raises(ValueError, match="torch.float32"):
+        compiled.linear(x, weight.bfloat16(), None)
+    with pytest.raises(ValueError, match="do not agree"):
+        compiled.linear(x, torch.randn(8, 12), None)
+    code = ("import torch, colorl.engines.native.cpu_decode as c; lib = c.load();\n"
+            "try:\n    lib.linear(torch.randn(2, 16), torch.randn(16, 8).t(), None)\nexcept ValueError:\n    print('refused')")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "refused", out.stderr
+
+
+def test_a_whole_layer_with_a_bad_slot_raises_and_computes_nothing_past_it(compiled, tiny_model_dir, monkeypatch):
+    """The whole-layer call checks its step's indices in C too, and returns the first error of its loops."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, cpu_decode.MAX_ROWS + 1)))
+    eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4))
+    original = cpu_decode.CpuDecode.decode_layer
+
+    def corrupt(self, x, delta, layer, step, scratch):
+        step.num_slots = 0  # as if every slot of the step were past the cache
+        return original(self, x, delta, layer, step, scratch)
+
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer", corrupt)
+    with pytest.raises(IndexError, match="outside the cache"):
+        eng.generate([GenerationRequest("a", [10, 11, 12], SamplingParams(temperature=0.0, max_new_tokens=3,
+                                                                              ignore_eos=True))])
+
+
 def test_engine_with_and_without_the_loops_samples_the_same(compiled, tiny_model_dir, qwen3_dir):
     """Continuous batching over prompts of different lengths (prefills beside decodes, batches of
     1..5 rows): the compiled path and torch's operators sample the same tokens with the same log-probs."""

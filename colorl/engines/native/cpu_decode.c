@@ -12,6 +12,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* What the exported functions return besides 0 (cpu_decode.py raises the matching Python error). */
+#define COLORL_BAD_ROWS (-1)
+#define COLORL_NO_MEMORY (-2)
+#define COLORL_OUT_OF_RANGE (-3)
+
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
@@ -140,7 +145,7 @@ static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_
 
 int colorl_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t B, int64_t N,
                   int64_t K, int threads) {
-    if (B < 1 || B > 8) return -1;
+    if (B < 1 || B > 8) return COLORL_BAD_ROWS;
     rows_fn kernel = ROWS[B];
     SHARE_ROWS(N, threads, kernel(x, w, bias, y, N, K, n0, n1));
     return 0;
@@ -277,11 +282,11 @@ static const rows_bf16_fn ROWS_BF16[9] = {0, rows_bf16_1, rows_bf16_2, rows_bf16
 
 int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t B,
                        int64_t N, int64_t K, int threads) {
-    if (B < 1 || B > 8) return -1;
+    if (B < 1 || B > 8) return COLORL_BAD_ROWS;
     float *xeo = NULL;
     if (!HAVE_DPBF16 || B == 1) { /* the even/odd layout of x's whole 16-value chunks */
         xeo = malloc(sizeof(float) * B * K);
-        if (!xeo) return -2;
+        if (!xeo) return COLORL_NO_MEMORY;
         for (int64_t b = 0; b < B; b++)
             for (int64_t c = 0; c + 16 <= K; c += 16)
                 for (int i = 0; i < 8; i++) {
@@ -302,14 +307,14 @@ int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
  * lengths: [S] context tokens; out: [S, H, D]. One task per (sequence, KV head) reads that head's
  * keys and values once for its whole query-head group, in two passes: every score, then the
  * softmax-weighted sum of values, in float32 like SDPA's CPU kernel. */
-static inline __attribute__((always_inline)) void
+static inline __attribute__((always_inline)) int
 decode_one(const float *q, const float *cache, const int64_t *table, int64_t length, float *out, int64_t H,
            int64_t Hkv, const int64_t D, int64_t block_size, float scale, int64_t kvh) {
     int64_t group = H / Hkv, stride = 2 * Hkv * D;
     const float *qh = q + kvh * group * D;
     float *oh = out + kvh * group * D;
     float *scores = malloc(sizeof(float) * group * length);
-    if (!scores) abort();
+    if (!scores) return COLORL_NO_MEMORY;
     for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
         const float *k = cache + table[b] * block_size * stride + kvh * D;
         int64_t last = first + block_size < length ? first + block_size : length;
@@ -350,17 +355,39 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
         }
     }
     free(scores);
+    return 0;
 }
 
 /* decode_one with the common head sizes as constants: the compiler unrolls the per-position loops. */
-static void decode_head(const float *q, const float *cache, const int64_t *table, int64_t length, float *out,
-                        int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t kvh) {
-    if (D == 64)
-        decode_one(q, cache, table, length, out, H, Hkv, 64, block_size, scale, kvh);
-    else if (D == 128)
-        decode_one(q, cache, table, length, out, H, Hkv, 128, block_size, scale, kvh);
-    else
-        decode_one(q, cache, table, length, out, H, Hkv, D, block_size, scale, kvh);
+static int decode_head(const float *q, const float *cache, const int64_t *table, int64_t length, float *out,
+                       int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t kvh) {
+    if (D == 64) return decode_one(q, cache, table, length, out, H, Hkv, 64, block_size, scale, kvh);
+    if (D == 128) return decode_one(q, cache, table, length, out, H, Hkv, 128, block_size, scale, kvh);
+    return decode_one(q, cache, table, length, out, H, Hkv, D, block_size, scale, kvh);
+}
+
+/* Every block a step's sequences read, and every slot and position it writes, lies inside the cache and
+ * the tables: a bad index from the caller is refused before any memory is touched, as torch's own
+ * indexing refuses it (the loops would otherwise read or write out of bounds). */
+static int check_tables(const int64_t *tables, int64_t width, const int64_t *lengths, int64_t S, int64_t block_size,
+                        int64_t num_slots) {
+    if (block_size < 1) return COLORL_OUT_OF_RANGE;
+    int64_t blocks = num_slots / block_size;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t length = lengths[s];
+        if (length < 1 || length > width * block_size) return COLORL_OUT_OF_RANGE;
+        for (int64_t b = 0; b < (length + block_size - 1) / block_size; b++)
+            if (tables[s * width + b] < 0 || tables[s * width + b] >= blocks) return COLORL_OUT_OF_RANGE;
+    }
+    return 0;
+}
+
+static int check_writes(const int64_t *slots, const int64_t *positions, int64_t T, int64_t num_slots,
+                        int64_t num_positions) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0 || positions[t] >= num_positions)
+            return COLORL_OUT_OF_RANGE;
+    return 0;
 }
 
 /* ---------------------------------------------------------------- the other loops, per storage type */
@@ -368,14 +395,14 @@ static void decode_head(const float *q, const float *cache, const int64_t *table
 /* A float32 buffer of at least n values for the calling thread, kept for its next call: a step's
  * tasks would otherwise each map and unmap a fresh buffer of a few hundred KB (malloc's mmap
  * threshold is 128 KB), page faults included. Grows to the longest context seen; never freed. */
-static float *thread_scratch(int64_t n) {
+static float *thread_scratch(int64_t n) { /* NULL when memory runs out */
     static __thread float *buffer = NULL;
     static __thread int64_t capacity = 0;
     if (n > capacity) {
         free(buffer);
         capacity = n + n / 2;
         buffer = malloc(sizeof(float) * capacity);
-        if (!buffer) abort();
+        if (!buffer) capacity = 0;
     }
     return buffer;
 }
@@ -425,6 +452,7 @@ typedef struct {
 
 typedef struct {
     int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate, width, block_size;
+    int64_t num_slots, num_positions;                         /* the cache's slots, the cos/sin tables' rows */
     const float *cos, *sin;                                   /* [P, D] tables */
     const int64_t *positions, *slots, *tables, *lengths;      /* [T], [T], [T, width], [T] */
     float eps, scale;

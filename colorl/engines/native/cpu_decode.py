@@ -40,10 +40,16 @@ class DecodeLayer(ctypes.Structure):
                                         "b_gate_up", "w_down", "b_down", "cache")]
 
 
+def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, **tensors: torch.Tensor | None) -> DecodeLayer:
+    """A layer's DecodeLayer, every tensor checked (`check_tensors`); the cache: [slots, 2, Hkv, D]."""
+    check_tensors(dtype, cache=cache, **tensors)
+    return DecodeLayer(**{name: _ptr(tensor) for name, tensor in tensors.items()}, cache=cache.data_ptr())
+
+
 class DecodeStep(ctypes.Structure):
     """A decode step's shapes and per-sequence inputs, the same for every layer (decode_step_t)."""
     _fields_ = [*((name, _i64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                            "width", "block_size")),
+                                            "width", "block_size", "num_slots", "num_positions")),
                 *((name, _p) for name in ("cos", "sin", "positions", "slots", "tables", "lengths")),
                 ("eps", _f32), ("scale", _f32), ("threads", _int)]
 
@@ -51,8 +57,8 @@ _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
     "colorl_add_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
     "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
-    "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
-    "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int], None),
+    "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64], _int),
+    "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int, _i64], _int),
     "colorl_decode_layer": ([_p, _p, _p, _p, ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeStep)], _int),
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
@@ -61,6 +67,26 @@ DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one o
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def check_tensors(dtype: torch.dtype, **tensors: torch.Tensor | None) -> None:
+    """Every tensor handed to the loops as a plain pointer is a contiguous CPU tensor of `dtype` (None: an
+    absent bias): the loops read memory as that layout, and anything else would give wrong numbers or
+    read out of bounds. Raised, not asserted: `python -O` keeps it."""
+    for name, tensor in tensors.items():
+        if tensor is not None and (tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous()):
+            raise ValueError(f"compiled decode loops: {name} must be a contiguous CPU {dtype} tensor, not "
+                             f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ', strided'}")
+
+
+ERRORS = {-1: (ValueError, f"the rows kernel takes 1..{MAX_ROWS} rows"), -2: (MemoryError, "out of memory in the decode loops"),
+          -3: (IndexError, "a block id, KV slot, position or context length outside the cache or the tables")}
+
+
+def _raise_for(code: int) -> None:
+    if code:
+        kind, message = ERRORS.get(code, (RuntimeError, f"the decode loops failed ({code})"))
+        raise kind(f"compiled decode loops: {message}")
 
 
 def _timed(kind: str):
@@ -121,16 +147,20 @@ class CpuDecode:
         """x: [B <= MAX_ROWS, in] @ weight [out, in].T (+ bias): [B, out], all float32 or all bfloat16
         (float32 sums, rounded to bf16 once at the end, as torch's bf16 product)."""
         rows, n_in = x.shape
+        check_tensors(x.dtype, x=x, weight=weight, bias=bias)
+        if weight.shape[1] != n_in or (bias is not None and bias.shape != weight.shape[:1]):
+            raise ValueError(f"compiled linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not agree")
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-        code = self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows,
-                                                         weight.shape[0], n_in, torch.get_num_threads())
-        if code:
-            raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {rows}")
+        _raise_for(self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows,
+                                                             weight.shape[0], n_in, torch.get_num_threads()))
         return out
 
     @_timed("elementwise")
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += add (in place, when given); returns RMSNorm(x) * weight. x, add: [T, C]."""
+        check_tensors(x.dtype, x=x, add=add, weight=weight)
+        if (add is not None and add.shape != x.shape) or weight.shape != x.shape[1:]:
+            raise ValueError("compiled add_rms_norm: x, add and weight do not agree")
         out = torch.empty_like(x)
         self._functions["colorl_add_rms_norm", x.dtype](_ptr(x), _ptr(add), _ptr(weight), _ptr(out), x.shape[0],
                                                         x.shape[1], eps)
@@ -140,6 +170,7 @@ class CpuDecode:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
         tokens, width = gate_up.shape
+        check_tensors(gate_up.dtype, gate_up=gate_up)
         out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
         self._functions["colorl_silu_mul", gate_up.dtype](_ptr(gate_up), _ptr(out), tokens, width // 2)
         return out
@@ -148,9 +179,15 @@ class CpuDecode:
     def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place; write k, v to cache [slots, 2, Hkv, D]."""
-        self._functions["colorl_rope_write_kv", qkv.dtype](_ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim,
-                                                           _ptr(cos), _ptr(sin), _ptr(positions), _ptr(slots),
-                                                           _ptr(cache))
+        check_tensors(qkv.dtype, qkv=qkv, cache=cache)
+        check_tensors(torch.float32, cos=cos, sin=sin)
+        check_tensors(torch.int64, positions=positions, slots=slots)
+        if (qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or cache.shape[1:] != (2, kv_heads, head_dim)
+                or cos.shape != sin.shape or cos.shape[1] != head_dim or not len(positions) == len(slots) == qkv.shape[0]):
+            raise ValueError("compiled rope_write_kv: qkv, cos/sin, positions, slots and cache do not agree")
+        _raise_for(self._functions["colorl_rope_write_kv", qkv.dtype](
+            _ptr(qkv), qkv.shape[0], heads, kv_heads, head_dim, _ptr(cos), _ptr(sin), _ptr(positions), _ptr(slots),
+            _ptr(cache), cache.shape[0], cos.shape[0]))
 
     @_timed("attention")
     def paged_decode(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -158,12 +195,16 @@ class CpuDecode:
         """q: [S, H, D], one token per sequence (rows may be strided: q/k/v rows); tables: [S, width]
         block ids; lengths: [S]; cache: [slots, 2, Hkv, D]. Returns [S, H * D]."""
         seqs, heads, dim = q.shape
-        assert q.stride(1) == dim and q.stride(2) == 1, "each query's heads must be contiguous"
+        if q.stride(1) != dim or q.stride(2) != 1 or q.dtype != cache.dtype or q.device.type != "cpu":
+            raise ValueError("compiled paged_decode: each query's heads must be contiguous, in the cache's dtype")
+        check_tensors(cache.dtype, cache=cache)
+        check_tensors(torch.int64, tables=tables, lengths=lengths)
+        if cache.shape[3] != dim or heads % cache.shape[2] or tables.shape[0] != seqs or lengths.shape != (seqs,):
+            raise ValueError("compiled paged_decode: q, cache, tables and lengths do not agree")
         out = torch.empty(seqs, heads * dim, dtype=q.dtype)
-        self._functions["colorl_paged_decode", q.dtype](_ptr(q), q.stride(0), _ptr(cache), _ptr(tables),
-                                                        tables.shape[1], _ptr(lengths), _ptr(out), seqs, heads,
-                                                        cache.shape[2], dim, block_size, scale,
-                                                        torch.get_num_threads())
+        _raise_for(self._functions["colorl_paged_decode", q.dtype](
+            _ptr(q), q.stride(0), _ptr(cache), _ptr(tables), tables.shape[1], _ptr(lengths), _ptr(out), seqs, heads,
+            cache.shape[2], dim, block_size, scale, torch.get_num_threads(), cache.shape[0]))
         return out
 
 
@@ -171,12 +212,14 @@ class CpuDecode:
                      scratch: torch.Tensor) -> torch.Tensor:
         """A whole decoder layer for a decode step of step.tokens <= MAX_ROWS sequences (cpu_decode_loops.h):
         x [T, C] += delta and the attention output, in place; returns the layer's MLP output [T, C].
+        `layer` comes from `layer_tensors`, which checks what it points to; the caller checks `step`'s.
         Not timed by kind: a bench's split runs the per-operation path instead (model.py)."""
+        check_tensors(x.dtype, x=x, delta=delta, scratch=scratch)
+        if x.shape != (step.tokens, step.hidden) or (delta is not None and delta.shape != x.shape):
+            raise ValueError("compiled decode_layer: x, delta and the step's shapes do not agree")
         out = torch.empty_like(x)
-        code = self._functions["colorl_decode_layer", x.dtype](_ptr(x), _ptr(delta), _ptr(out), _ptr(scratch),
-                                                               ctypes.byref(layer), ctypes.byref(step))
-        if code:
-            raise ValueError(f"compiled linear takes 1..{MAX_ROWS} rows, not {x.shape[0]}")
+        _raise_for(self._functions["colorl_decode_layer", x.dtype](_ptr(x), _ptr(delta), _ptr(out), _ptr(scratch),
+                                                                   ctypes.byref(layer), ctypes.byref(step)))
         return out
 
 

@@ -69,8 +69,10 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
  * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
  * ([slots, 2, Hkv, D]). */
-void NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
-                                 const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
+int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                                const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache,
+                                int64_t num_slots, int64_t num_positions) {
+    if (check_writes(slots, positions, T, num_slots, num_positions)) return COLORL_OUT_OF_RANGE;
     int64_t width = (H + 2 * Hkv) * D, half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         ELEM *row = qkv + t * width;
@@ -85,6 +87,7 @@ void NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, i
         }
         memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(ELEM));
     }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- paged decode attention
@@ -94,10 +97,11 @@ void NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, i
  * decode_one per KV head over it from L2: widening inside the loops, or per head from a strided
  * read, made bf16 attention 1.5x slower than float32 for half the bytes. */
 #if STAGE_KV
-static void NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
-                                   int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
+                                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
     int64_t stride = 2 * Hkv * D;
     float *staged = thread_scratch(length * stride + 2 * H * D);
+    if (!staged) return COLORL_NO_MEMORY;
     float *qf = staged + length * stride, *of = qf + H * D;
     for (int64_t i = 0; i < H * D; i++) qf[i] = LOAD1(q + i);
     for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
@@ -108,21 +112,28 @@ static void NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64
         for (; i < count; i++) to[i] = LOAD1(run + i);
     }
     const int64_t one_block = 0;
-    for (int64_t kvh = 0; kvh < Hkv; kvh++) decode_head(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh);
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+        if (decode_head(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh)) return COLORL_NO_MEMORY;
     int64_t i = 0;
     for (; i + 8 <= H * D; i += 8) STORE8(out + i, load8(of + i));
     for (; i < H * D; i++) STORE1(out + i, of[i]);
+    return 0;
 }
 #endif
 
-void NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
-                                int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
-                                int64_t D, int64_t block_size, float scale, int threads) {
+int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
+                               int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t block_size, float scale, int threads, int64_t num_slots) {
+    if (check_tables(tables, width, lengths, S, block_size, num_slots)) return COLORL_OUT_OF_RANGE;
+    int failed = 0;
 #if STAGE_KV
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && S > 1)
     for (int64_t s = 0; s < S; s++)
-        NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
-                               block_size, scale);
+        if (NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
+                                   block_size, scale)) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #else
     int64_t tasks = S * Hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
@@ -131,9 +142,13 @@ void NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cac
         const ELEM *qs = q + s * q_stride;
         const int64_t *table = tables + s * width;
         ELEM *os = out + s * H * D;
-        decode_head(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh);
+        if (decode_head(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh)) {
+#pragma omp atomic write
+            failed = 1;
+        }
     }
 #endif
+    return failed ? COLORL_NO_MEMORY : 0;
 }
 
 /* ---------------------------------------------------------------- a whole decoder layer
@@ -142,24 +157,28 @@ void NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cac
  * the ctypes calls between them (nine per layer, 1.5-3.6 us each: a few % of a step).
  * x: the residual stream [T, C], updated in place; delta: the previous layer's MLP output (NULL
  * for the first layer); out: this layer's MLP output [T, C]; scratch: T * (2 C + (H + 2 Hkv) D +
- * H D + 3 I) values. Returns nonzero where the rows kernel refuses T. */
+ * H D + 3 I) values. Returns 0, or the first error of its loops (COLORL_*: rows, memory, an index out of
+ * range), which it never computes past. */
 int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
     int64_t width = (H + 2 * Hkv) * D;
     ELEM *h = scratch, *qkv = h + T * C, *attn = qkv + T * width, *gate_up = attn + T * H * D, *act = gate_up + T * 2 * I,
          *o = act + T * I;
+    int code;
     NAMED(colorl_add_rms_norm)(x, delta, l->input_norm, h, T, C, s->eps);
-    if (NAMED(colorl_linear)(h, l->w_qkv, l->b_qkv, qkv, T, width, C, s->threads)) return -1;
-    NAMED(colorl_rope_write_kv)(qkv, T, H, Hkv, D, s->cos, s->sin, s->positions, s->slots, l->cache);
-    NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D, s->block_size,
-                               s->scale, s->threads);
-    NAMED(colorl_linear)(attn, l->w_o, l->b_o, o, T, C, H * D, s->threads);
+    if ((code = NAMED(colorl_linear)(h, l->w_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
+    if ((code = NAMED(colorl_rope_write_kv)(qkv, T, H, Hkv, D, s->cos, s->sin, s->positions, s->slots, l->cache,
+                                            s->num_slots, s->num_positions)))
+        return code;
+    if ((code = NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
+                                           s->block_size, s->scale, s->threads, s->num_slots)))
+        return code;
+    if ((code = NAMED(colorl_linear)(attn, l->w_o, l->b_o, o, T, C, H * D, s->threads))) return code;
     NAMED(colorl_add_rms_norm)(x, o, l->post_norm, h, T, C, s->eps);
-    NAMED(colorl_linear)(h, l->w_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads);
+    if ((code = NAMED(colorl_linear)(h, l->w_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads))) return code;
     NAMED(colorl_silu_mul)(gate_up, act, T, I);
-    NAMED(colorl_linear)(act, l->w_down, l->b_down, out, T, C, I, s->threads);
-    return 0;
+    return NAMED(colorl_linear)(act, l->w_down, l->b_down, out, T, C, I, s->threads);
 }
 
 #undef NAMED

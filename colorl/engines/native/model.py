@@ -317,9 +317,10 @@ class DecoderLayer(nn.Module):
     def compiled_tensors(self, cache: torch.Tensor) -> cpu_decode.DecodeLayer:
         """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layer`)."""
         attn, mlp = self.self_attn, self.mlp
-        tensors = (self.input_layernorm.weight, attn.w_qkv, attn.b_qkv, attn.w_o, attn.b_o,
-                   self.post_attention_layernorm.weight, mlp.w_gate_up, mlp.b_gate_up, mlp.w_down, mlp.b_down, cache)
-        return cpu_decode.DecodeLayer(*(None if t is None else t.data_ptr() for t in tensors))
+        return cpu_decode.layer_tensors(
+            cache.dtype, cache, input_norm=self.input_layernorm.weight, w_qkv=attn.w_qkv, b_qkv=attn.b_qkv,
+            w_o=attn.w_o, b_o=attn.b_o, post_norm=self.post_attention_layernorm.weight, w_gate_up=mlp.w_gate_up,
+            b_gate_up=mlp.b_gate_up, w_down=mlp.w_down, b_down=mlp.b_down)
 
 
 class CausalLM(nn.Module):
@@ -352,7 +353,7 @@ class CausalLM(nn.Module):
             cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
             cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         delta = None
-        fused = self._whole_layers(step, compiled, x)
+        fused = self._whole_layers(step, compiled, x, kv_cache.shape[1])
         if fused is not None:  # one compiled call per layer
             inputs, scratch = fused
             for layer, cache in zip(self.layers, kv_cache):
@@ -365,8 +366,8 @@ class CausalLM(nn.Module):
                                      compiled)  # [N, hidden]
         return self.linears.linear(x, self._head(), None, compiled).float()  # [N, V]
 
-    def _whole_layers(self, step: StepInputs, compiled: CpuDecode | None,
-                      x: torch.Tensor) -> tuple[cpu_decode.DecodeStep, torch.Tensor] | None:
+    def _whole_layers(self, step: StepInputs, compiled: CpuDecode | None, x: torch.Tensor,
+                      slots: int) -> tuple[cpu_decode.DecodeStep, torch.Tensor] | None:  # slots: the KV cache's per layer
         """The step's inputs and scratch for the compiled whole-layer decode, when it serves this step:
         only one-token decodes, as many as the rows kernel takes at its won row counts, a plain
         SiLU-gated Llama/Qwen2 layer (Qwen3's q/k norms run through the per-operation path), and no
@@ -379,10 +380,13 @@ class CausalLM(nn.Module):
             return None
         group = step.groups[0]
         width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        cpu_decode.check_tensors(torch.int64, positions=step.positions, slots=step.slot_mapping,
+                                 tables=group.block_tables, lengths=group.lengths)
+        cpu_decode.check_tensors(torch.float32, cos=self.rotary.cos, sin=self.rotary.sin)
         inputs = cpu_decode.DecodeStep(
             tokens=tokens, hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
             intermediate=s.intermediate_size, width=group.block_tables.shape[1], block_size=group.block_size,
-            cos=self.rotary.cos.data_ptr(), sin=self.rotary.sin.data_ptr(), positions=step.positions.data_ptr(),
+            num_slots=slots, num_positions=self.rotary.cos.shape[0], cos=self.rotary.cos.data_ptr(), sin=self.rotary.sin.data_ptr(), positions=step.positions.data_ptr(),
             slots=step.slot_mapping.data_ptr(), tables=group.block_tables.data_ptr(), lengths=group.lengths.data_ptr(),
             eps=s.rms_norm_eps, scale=self.layers[0].self_attn.scale, threads=torch.get_num_threads())
         scratch = torch.empty(tokens * (2 * s.hidden_size + width + s.num_heads * s.head_dim + 3 * s.intermediate_size),
