@@ -420,15 +420,15 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
-    """A worker process, with the allocator settings `colorl train` gives its CPU ranks (the heap kept:
+    """A worker process, with the settings `colorl train` gives its CPU ranks (the heap kept:
     its memory stays at its peak, which the process's max RSS then shows as a user would see it)."""
-    from colorl.launch import CPU_MALLOC_ENV
+    from colorl.launch import CPU_RANK_ENV
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), extra_path) if p),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
                TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
     if "--worker" in argv and argv[argv.index("--worker") + 1] == "colorl":
-        env = {**CPU_MALLOC_ENV, **env}  # a user's MALLOC_* wins, as in colorl/launch.py
+        env = {**CPU_RANK_ENV, **env}  # a user's own settings win, as in colorl/launch.py
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         argv = [sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)]

@@ -40,11 +40,22 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated
 
 
-# glibc's malloc hands big blocks (activations, logits) back to the kernel on free and
-# page-faults them in again on the next step: on CPU a third of a SmolLM2 step went to the
-# kernel. Keeping them in the heap made CPU steps 1.6-1.8x faster (bench/README.md, "CPU
-# allocator"); the price is that a rank's memory stays at its peak. A user's MALLOC_* wins.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+# Read by each rank's libraries when it starts; a user's own setting wins.
+# - glibc's malloc hands big blocks (activations, logits) back to the kernel on free and page-faults them
+#   in again on the next step: on CPU a third of a SmolLM2 step went to the kernel. Keeping them in the
+#   heap made CPU steps 1.6-1.8x faster (bench/README.md, "CPU allocator"); the price is that a rank's
+#   memory stays at its peak.
+# - MKL (torch's CPU matmuls wherever the race does not pick oneDNN: an Intel Xeon's fp32 race picks MKL)
+#   by default takes code paths by the alignment of each buffer, so the same product can round
+#   differently in two processes: a resumed run's weights differed from the uninterrupted run's in one
+#   run of two on a Xeon. MKL_CBWR=AUTO,STRICT makes its results the same whatever the alignment, at a
+#   given thread count (which colorl fixes per loop).
+CPU_RANK_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MKL_CBWR": "AUTO,STRICT"}
+
+
+def set_cpu_rank_env() -> None:
+    for key, value in CPU_RANK_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 @dataclass
@@ -129,8 +140,7 @@ def launch(target, nproc: int, device: str, args: tuple, timeout_s: float = 600)
     from colorl.distributed import free_port
 
     if device == "cpu":
-        for key, value in CPU_MALLOC_ENV.items():  # read by glibc when each spawned rank starts
-            os.environ.setdefault(key, value)
+        set_cpu_rank_env()  # inherited by each spawned rank
     ctx = mp.get_context("spawn")
     error_dir = tempfile.mkdtemp(prefix="colorl-errors-")
     port = free_port()
@@ -242,6 +252,8 @@ def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if device == "cpu":
+        set_cpu_rank_env()  # MKL reads MKL_CBWR at its first product, still to come
     threads = rank_threads(spot.local_world)  # torchrun itself sets OMP_NUM_THREADS=1 unless the user did
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
