@@ -163,3 +163,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
 
 
 CHARTS = {"reward": _reward, "length": _length, "time": _time, "policy": _policy, "staleness": _staleness}
+
+
+def tracker_charts(run_dir: Path, out: Path) -> list[Path]:
+    """The run's charts for a tracker that shows images, drawn into `out`; none before a complete step."""
+    try:
+        return plot_run(run_dir, out)
+    except PlotError:
+        return []

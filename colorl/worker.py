@@ -129,7 +129,9 @@ class RankContext:
         """After the mode's loop, however it ended: the end table, the metrics files, the reward sandbox."""
         self.display.close(self.history)
         if self.metrics is not None:
-            self.metrics.close()
+            from colorl.plot import tracker_charts
+
+            self.metrics.close(lambda folder: tracker_charts(self.run_dir, folder))
         if isinstance(self.reward_fn, SandboxedReward):
             self.reward_fn.close()
 

@@ -5,7 +5,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from colorl.config import Config
@@ -60,11 +60,12 @@ class MetricsWriter:
         if self._wandb is not None:  # after the file: a tracker never costs a line of metrics.jsonl
             self._wandb.log(record)
 
-    def close(self) -> None:
+    def close(self, draw_charts: Callable[[Path], list[Path]] | None = None) -> None:
+        """draw_charts(folder): the run's charts for the trackers that show images (W&B)."""
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish(self.run_dir)
+            self._wandb.finish(draw_charts)
 
 
 def _end_torn_line(path: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from colorl.files import write_atomic
 
@@ -66,13 +66,15 @@ class WandbSink:
         except Exception as exc:
             self._fail("could not log a step", exc)
 
-    def finish(self, run_dir: Path) -> None:
-        """Log the charts `colorl plot` draws from metrics.jsonl, then close the W&B run."""
+    def finish(self, draw_charts: Callable[[Path], list[Path]] | None = None) -> None:
+        """Log the charts `draw_charts(folder)` draws (the run's `colorl plot` charts: whoever ends the run
+        hands them over, a tracker does not draw), then close the W&B run."""
         if self._run is None:
             return
         run, self._run = self._run, None
         try:
-            self._log_charts(run, Path(run_dir))
+            if draw_charts is not None:
+                self._log_charts(run, draw_charts)
         except Exception as exc:  # matplotlib or wandb.Image: the metrics are already logged
             self._warn(f"the charts were not logged ({_reason(exc)})")
         try:
@@ -80,15 +82,11 @@ class WandbSink:
         except Exception as exc:
             self._warn(f"could not finish the run ({_reason(exc)})")
 
-    def _log_charts(self, run, run_dir: Path) -> None:
-        from colorl.plot import PlotError, plot_run
-
+    def _log_charts(self, run, draw_charts: Callable[[Path], list[Path]]) -> None:
         with tempfile.TemporaryDirectory() as folder:  # wandb copies each image when it is logged
-            try:
-                charts = plot_run(run_dir, Path(folder))
-            except PlotError:  # no complete step: nothing to draw
-                return
-            run.log({f"charts/{path.stem}": self._wandb.Image(str(path)) for path in charts})
+            charts = draw_charts(Path(folder))
+            if charts:
+                run.log({f"charts/{path.stem}": self._wandb.Image(str(path)) for path in charts})
 
     def _fail(self, what: str, exc: Exception) -> None:
         self._run = None

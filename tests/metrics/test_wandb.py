@@ -12,6 +12,7 @@ import pytest
 
 from colorl.cli import main
 from colorl.config import Config, load_config
+from colorl.plot import tracker_charts
 from colorl.metrics.logger import METRIC_KEYS, MetricsWriter
 from colorl.metrics.wandb_sink import NOT_INSTALLED, RUN_ID_FILE, WandbSink
 
@@ -74,7 +75,7 @@ def test_every_metric_at_its_step_the_config_and_the_charts(tmp_path):
     writer = MetricsWriter(tmp_path, wandb=_fake_sink(cfg, tmp_path, wandb))
     for step in (1, 2):
         writer.write(_record(step))
-    writer.close()
+    writer.close(lambda folder: tracker_charts(tmp_path, folder))  # what a run's end hands the trackers
     (init,) = wandb.inits
     assert init["config"] == cfg.model_dump(mode="json")
     assert (init["project"], init["name"], init["mode"], init["resume"]) == ("t", "r1", "offline", "allow")
@@ -91,8 +92,8 @@ def test_every_metric_at_its_step_the_config_and_the_charts(tmp_path):
 def test_a_resumed_run_directory_keeps_its_run_id(tmp_path):
     cfg = _config()
     first, second = FakeWandb(), FakeWandb()
-    _fake_sink(cfg, tmp_path, first).finish(tmp_path)
-    _fake_sink(cfg, tmp_path, second).finish(tmp_path)  # `colorl train ... --resume`
+    _fake_sink(cfg, tmp_path, first).finish()
+    _fake_sink(cfg, tmp_path, second).finish()  # `colorl train ... --resume`
     assert first.inits[0]["id"] == second.inits[0]["id"] == (tmp_path / RUN_ID_FILE).read_text().strip()
     other = FakeWandb()
     _fake_sink(cfg, tmp_path / "another-run", other)
@@ -167,7 +168,7 @@ def test_real_offline_run_holds_the_metrics_and_the_config(tmp_path):
     writer = MetricsWriter.for_run(tmp_path, cfg)
     for step in (1, 2):
         writer.write(_record(step))
-    writer.close()
+    writer.close(lambda folder: tracker_charts(tmp_path, folder))
     run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
     records = _offline_records(tmp_path)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
