@@ -109,7 +109,8 @@ def _dry_run(cfg, run_dir: Path, args, spot) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         return fail(str(exc))
     print(dump_config(cfg), end="")
-    print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {cfg.launch.device}")
+    chosen = f" (launch.device: {cfg.launch.device})" if cfg.launch.device != device else ""
+    print(f"# run directory: {run_dir}\n# launch: {cfg.launch.nproc} x {device}{chosen}")
     note = engine_check_note(cfg)
     if note:
         print(f"# {note}")
@@ -166,10 +167,18 @@ def cmd_export(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors as one line like every other bad input."""
+    """argparse, with its usage errors as one line like every other bad input (subcommands' parsers too)."""
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
 
     def error(self, message: str):
-        fail(f"{self.prog}: {message} (see {self.prog} --help)")
+        args = getattr(self, "_argv", sys.argv[1:])
+        loose = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--set" and "=" not in args[i + 1]]
+        if loose:  # `--set run.steps 3`: argparse only sees a stray "3"
+            message = f"--set {loose[0]}: --set takes KEY=VALUE in one word, e.g. --set {loose[0]}=..."
+        fail(f"{message} (see {self.prog} --help)")
         raise SystemExit(EXIT_BAD_INPUT)
 
 

@@ -328,6 +328,10 @@ def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
     value = error.get("input")
     if key == "rollout.engine" and kind == "literal_error":
         return f"{key}={value!r}: engines this machine can run: {', '.join(map(repr, runnable_engines()))}"
+    section = _model_at(loc) if kind in ("model_type", "model_attributes_type", "dict_type") else None
+    if section is not None:  # `--set model.lora=8`: a section given a single value
+        example = ", ".join(f"{name}: {field.default}" for name, field in list(section.model_fields.items())[:2])
+        return f"{key}={value!r}: {key} is a section; give its keys, e.g. --set '{key}={{{example}}}'"
     allowed = _allowed(error)
     return f"{key}={value!r}: {allowed}"
 
@@ -356,15 +360,23 @@ def _allowed(error: dict) -> str:
     return str(error["msg"]).lower()
 
 
-def _did_you_mean(loc: list[str]) -> str:
+def _model_at(parts: list[str]) -> type[BaseModel] | None:
+    """The config section class at a dotted key (None: not a section)."""
     model: type[BaseModel] = Config
-    for part in loc[:-1]:
+    for part in parts:
         field = model.model_fields.get(part)
         annotation = getattr(field, "annotation", None)
         candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
         if not candidates:
-            return ""
+            return None
         model = candidates[0]
+    return model
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    model = _model_at(loc[:-1])
+    if model is None:
+        return ""
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
     prefix = ".".join(loc[:-1] + close[:1])
     return f" (did you mean {prefix!r}?)" if close else f"; allowed: {sorted(model.model_fields)}"

@@ -135,7 +135,9 @@ class Display:
             self._live.update(self._render())
         elif self.enabled:
             parts = " ".join(f"{label.replace(' ', '_')}={_fmt(fmt, record.get(key))}" for label, key, fmt in self.shown)
-            print(f"step {self.step}/{self.total} eta={self._eta().replace(' ', '_')} {parts}", flush=True)
+            remaining = eta_seconds(self.step_ends, self.step, self.total)  # none before the second step
+            eta = "" if remaining is None else f" eta={_clock(remaining)}"
+            print(f"step {self.step}/{self.total}{eta} {parts}", flush=True)
 
     def initial_accuracy(self, accuracy: float, tool_use: float | None = None) -> None:
         """Held-out greedy accuracy before step 1: shown now, and next to every later evaluation."""

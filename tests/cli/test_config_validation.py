@@ -30,6 +30,7 @@ CASES = [
     (["task.options={colour: red}"], ["task.options.colour", "unknown"]),
     (["task.options={eval_fraction: 1.0}"], ["task.options.eval_fraction", "0 < x < 1"]),
     (["rollout"], ["key=value"]),
+    (["model.lora=8"], ["model.lora=8", "is a section", "--set 'model.lora={r: 8, alpha: 16.0}'"]),
     (["run.steps.x=1"], ["run.steps", "not a section"]),
     (["rollout.engine=sglang", "launch.device=cpu"], ["sglang", "CUDA"]),
     (["task.env=chess"], ["task.env", "chess", "calculator"]),
@@ -59,6 +60,20 @@ def test_rejections_are_one_line_with_exit_2(capsys, overrides, words):
     assert "Traceback" not in err
     for word in words:
         assert word in lines[0], (word, lines[0])
+
+
+def test_set_given_key_and_value_as_two_words_says_how(capsys):
+    code, _, err = run_cli(capsys, ["train", "configs/tiny.yaml", "--set", "run.steps", "3", "--dry-run"])
+    assert code == 2 and err.strip() == ("colorl: error: --set run.steps: --set takes KEY=VALUE in one word, "
+                                         "e.g. --set run.steps=... (see colorl --help)")
+
+
+def test_dry_run_names_the_device_it_will_run_on(capsys):
+    code, out, _ = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", "launch.device=auto"])
+    assert code == 0
+    (line,) = [line for line in out.splitlines() if line.startswith("# launch:")]
+    device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+    assert line == f"# launch: 1 x {device} (launch.device: auto)"
 
 
 def test_missing_file(capsys):

@@ -49,3 +49,14 @@ def test_end_table_and_overlap_line_in_bounded_lag():
     colocated.console = Console(record=True, width=120, force_terminal=False)
     colocated.close(history)
     assert "overlap" not in colocated.console.export_text()
+
+
+def test_step_lines_give_an_eta_only_once_there_is_one(capsys):
+    """A pipe or CI gets one line per step; the first has no interval to go on, so no ETA, not a placeholder."""
+    display = Display(3, 0, "t", enabled=True)
+    display._live = None
+    for step in (1, 2, 3):
+        display.step_done({**RECORD, "step": step})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and "eta" not in lines[0] and "after" not in "".join(lines)
+    assert all(" eta=" in line for line in lines[2:])
