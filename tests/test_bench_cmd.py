@@ -150,3 +150,19 @@ def test_the_episodes_table_is_printed_only_for_multi_turn_workloads():
     episodes = printed({"trained_tokens_per_s": 10.0, "episode_turns_mean": 2.5, "engine_env_wait_frac": 0.4})
     assert "throughput and time" in completions and "episodes" not in completions
     assert "episodes (task.env)" in episodes and "2.50" in episodes and "40%" in episodes
+
+
+def test_the_summary_tables_show_every_figure_in_80_columns():
+    """A narrow terminal had shown only '…' in colorl bench's tables: each splits into parts that fit."""
+    from rich.console import Console
+
+    from colorl.bench.report import print_tables
+
+    figures = {"trained_tokens_per_s": 1234.5, "step_s_median": 9.87, "staleness_max": 2, "engine_idle_frac": 0.25,
+               "episode_turns_mean": 2.5, "engine_env_wait_frac": 0.4}
+    console = Console(record=True, force_terminal=True, width=80)
+    print_tables({"variants": [{"spec": "bounded_lag:eta=2", "status": "ok", "figures": figures},
+                               {"spec": "colocated", "status": "ok", "figures": figures}]}, console)
+    text = console.export_text()
+    assert "…" not in text and "bounded_lag:eta=2" in text and "1234" in text
+    assert all(len(line) <= 80 for line in text.splitlines())

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from colorl.files import write_atomic
+from colorl.tables import print_table
 
 TRAINED_DEFINITION = ("trained tok/s = response tokens trained per wall-clock second of a step "
                       "(trained tokens / time_step_s), median over the steps after the warm-up; "
@@ -101,13 +101,9 @@ def print_tables(bench: dict, console: Console) -> None:
     if not console.is_terminal:  # a log file: no reason to squeeze the tables into 80 columns
         console = Console(width=200, force_terminal=False)
     for title, columns in _shown_tables(bench).items():
-        table = Table(title=f"colorl bench · {title}", title_justify="left")
-        table.add_column("variant", no_wrap=True)
-        for header in ["status"] + [c.header for c in columns]:
-            table.add_column(header, justify="right")
-        for row in _rows(bench["variants"], columns):
-            table.add_row(*row, style=None if row[1] == "ok" else "red")
-        console.print(table)
+        rows = _rows(bench["variants"], columns)
+        print_table(console, f"colorl bench · {title}", ["variant", "status"] + [c.header for c in columns], rows,
+                    [None if row[1] == "ok" else "red" for row in rows])
     console.print(TRAINED_DEFINITION)
     for variant in bench["variants"]:
         if variant["status"] != "ok":

@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from colorl.tables import print_table
+
 _SHOWN = (
     ("reward", "reward_mean", "{:.3f}"), ("train acc (T={temperature:g})", "accuracy", "{:.1%}"),
     ("held-out (greedy)", "eval_accuracy", "{:.1%}"),
@@ -163,12 +165,10 @@ class Display:
                         ("idle", "engine_idle_frac", "{:.0%}")]
         if self.episodes:
             columns += [("turns", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}")]
-        summary = Table(title=f"colorl · steps (train acc at T={self.temperature:g}, held-out greedy{'' if self.eta is None else f'; η = {self.eta}'})")
-        for name, _, _ in columns:
-            summary.add_column(name, justify="right")
-        for record in history:
-            summary.add_row(*(_fmt(fmt, record.get(key)) for _, key, fmt in columns))
-        self.console.print(summary)
+        title = (f"colorl · steps (train acc at T={self.temperature:g}, held-out greedy"
+                 f"{'' if self.eta is None else f'; η = {self.eta}'})")
+        print_table(self.console, title, [name for name, _, _ in columns],
+                    [[_fmt(fmt, record.get(key)) for _, key, fmt in columns] for record in history])
         line = overlap_line(history) if self.eta is not None else None
         if line:
             self.console.print(line)

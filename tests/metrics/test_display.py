@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from rich.console import Console
 
 from colorl.metrics.display import Display, overlap_line
@@ -60,3 +62,15 @@ def test_step_lines_give_an_eta_only_once_there_is_one(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and "eta" not in lines[0] and "after" not in "".join(lines)
     assert all(" eta=" in line for line in lines[2:])
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_bounded_lag_end_table_shows_every_figure_whole_at_any_width(width):
+    """80 columns (a pipe, CI, a narrow terminal) had cut the loss to '+0.0…'; the table splits instead."""
+    history = [RECORD, {**RECORD, "step": 4, "time_step_s": 10.0, "loss": -0.01234}]
+    display = Display(4, 2, "t", enabled=True, eta=1)
+    display.console = Console(record=True, width=width, force_terminal=False)
+    display.close(history)
+    text = display.console.export_text()
+    assert "…" not in text and "-0.0123" in text and "stale max" in text and "idle" in text
+    assert all(len(line) <= width for line in text.splitlines())
