@@ -48,6 +48,21 @@ def has_staleness(records: list[dict]) -> bool:
                for key in ("staleness_mean", "staleness_pred", "staleness_max"))
 
 
+def _tidy(ax, steps_axis: bool = True) -> None:
+    """Figures as they are (no '1e-5+1' offset on an axis of values near 1), whole steps on a step axis (a
+    short run had fractional ticks), a grid, and the legend below the plot, where it covers no line."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        if isinstance(axis.get_major_formatter(), ScalarFormatter):
+            axis.get_major_formatter().set_useOffset(False)
+    if steps_axis:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+
+
 def _reward(plt, records: list[dict], baseline: float | None = None):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     minutes = dict(zip((r["step"] for r in records), wall_clock_minutes(records)))
@@ -63,9 +78,10 @@ def _reward(plt, records: list[dict], baseline: float | None = None):
             if ys:
                 ax.plot([to_x(x) for x in xs], ys, style, label=label)
         ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward / accuracy")
-    axes[0].legend(fontsize=8)
+    _tidy(axes[0])
+    _tidy(axes[1], steps_axis=False)
+    axes[1].get_legend().remove()  # the same lines as on the left
     return fig
 
 
@@ -78,8 +94,7 @@ def _length(plt, records: list[dict]):
         if ys:
             ax.plot(xs, ys, "--", label=label)
     ax.set(xlabel="step", ylabel="response length [tokens]")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _tidy(ax)
     return fig
 
 
@@ -94,7 +109,7 @@ def _time(plt, records: list[dict]):
     other = [max(0.0, float(r.get("time_step_s") or 0.0) - b) for r, b in zip(records, bottom)]
     ax.bar(steps, other, bottom=bottom, label="other")
     ax.set(xlabel="step", ylabel="seconds")
-    ax.legend(fontsize=8)
+    _tidy(ax)
     return fig
 
 
@@ -110,8 +125,7 @@ def _policy(plt, records: list[dict]):
             right.plot(xs, ys, label=label)
     right.set(xlabel="step")
     for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _tidy(ax)
     return fig
 
 
@@ -125,8 +139,32 @@ def _staleness(plt, records: list[dict]):
         if ys:
             ax.plot(xs, ys, style, label=label)
     ax.set(xlabel="step", ylabel="staleness [versions]")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _tidy(ax)
+    return fig
+
+
+def has_episodes(records: list[dict]) -> bool:
+    return any(_series(records, "episode_turns_mean")[1])
+
+
+def _episodes(plt, records: list[dict]):
+    """Multi-turn runs (task.env): how the model uses its tools, and what went wrong."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("tool_use_frac", "episodes that called a tool", "o-"),
+                              ("reward_mean", "reward", "-")):
+        xs, ys = _series(records, key)
+        if ys:
+            left.plot(xs, ys, style, label=label)
+    left.set(xlabel="step", ylabel="fraction")
+    for key, label in (("episode_turns_mean", "turns per episode"), ("tool_calls_per_episode", "tool calls per episode"),
+                       ("tool_errors", "tool errors"), ("env_errors", "environment faults"),
+                       ("env_timeouts", "environment time-outs")):
+        xs, ys = _series(records, key)
+        if ys:
+            right.plot(xs, ys, label=label)
+    right.set(xlabel="step", ylabel="per step")
+    for ax in (left, right):
+        _tidy(ax)
     return fig
 
 
@@ -155,14 +193,15 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, chart in CHARTS.items():
-        if name == "staleness" and not has_staleness(records):
+        if (name == "staleness" and not has_staleness(records)) or (name == "episodes" and not has_episodes(records)):
             continue
         figure = chart(plt, records, baseline_accuracy(run_dir)) if chart is _reward else chart(plt, records)
         written.append(_save(plt, figure, out / f"{name}.png"))
     return written
 
 
-CHARTS = {"reward": _reward, "length": _length, "time": _time, "policy": _policy, "staleness": _staleness}
+CHARTS = {"reward": _reward, "length": _length, "time": _time, "policy": _policy, "staleness": _staleness,
+          "episodes": _episodes}
 
 
 def tracker_charts(run_dir: Path, out: Path) -> list[Path]:

@@ -36,3 +36,46 @@ def test_plot_draws_staleness_measured_vs_predicted(tmp_path, capsys):
 
 def test_wall_clock_falls_back_to_summed_step_times():
     assert wall_clock_minutes([{"step": 1, "time_step_s": 60.0}, {"step": 2, "time_step_s": 30.0}]) == [1.0, 1.5]
+
+
+def _drawn(tmp_path, monkeypatch, records: list[dict]) -> dict:
+    from colorl import plot
+
+    figures = {}
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, path: figures.setdefault(path.stem, fig) and path)
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    writer = MetricsWriter(run)
+    for record in records:
+        writer.write(record)
+    plot.plot_run(run)
+    return figures
+
+
+def test_charts_read_plainly_on_a_short_run(tmp_path, monkeypatch):
+    """Whole steps on the step axes (3 steps had given 1.25, 1.5, ...), IS weights near 1 without a
+    '1e-5+1' offset, and every legend below its plot, covering no line."""
+    records = [{**_record(step, 0.0), "is_weight_mean": 1.0 + 1e-6 * step, "is_weight_max": 1.0 + 3e-6 * step}
+               for step in (1, 2, 3)]
+    figures = _drawn(tmp_path, monkeypatch, records)
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            if ax.get_xlabel() == "step":
+                low, high = ax.get_xlim()
+                assert all(float(t).is_integer() for t in ax.get_xticks() if low <= t <= high), name
+            assert ax.yaxis.get_major_formatter().get_offset() == "", name
+            legend = ax.get_legend()
+            if legend is not None:
+                assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1, name
+
+
+def test_a_tool_run_gets_its_episodes_chart(tmp_path, monkeypatch):
+    records = [{**_record(step, 0.0), "episode_turns_mean": 2.0, "tool_use_frac": 0.25 * step, "tool_errors": 3 - step,
+                "env_errors": 1} for step in (1, 2, 3)]
+    figures = _drawn(tmp_path, monkeypatch, records)
+    assert "episodes" in figures
+    labels = {line.get_label() for ax in figures["episodes"].axes for line in ax.get_lines()}
+    assert {"episodes that called a tool", "tool errors", "environment faults"} <= labels
+    assert "episodes" not in _drawn(tmp_path / "completions", monkeypatch, [_record(1, 0.0)])
