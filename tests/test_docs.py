@@ -76,3 +76,11 @@ def test_every_command_shown_parses(where, command):
     except SystemExit as exc:  # --version and --help exit 0 after printing
         if exc.code:
             pytest.fail(f"{where}: `colorl {command}` does not parse (exit {exc.code})")
+
+
+def test_the_trl_table_names_only_real_config_keys():
+    """docs/trl.md maps TRL's GRPOConfig to colorl's keys: a key renamed or removed fails here."""
+    keys = {doc.key for doc in walk()}
+    rows = [line.split("|") for line in (ROOT / "docs" / "trl.md").read_text().splitlines() if line.startswith("| `")]
+    named = {key for row in rows for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+|mode)`", row[2])}
+    assert named and named <= keys, sorted(named - keys)
