@@ -71,6 +71,7 @@ class _Episode:
     prompt_len: int = 0  # tokens of the opening prompt
     logprobs: list[float] = field(default_factory=list)  # per token after the opening prompt
     versions: list[int] = field(default_factory=list)
+    state_version: int | None = None  # the oldest of its turns' `GenerationResult.state_version`
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -160,7 +161,8 @@ class Rollouts:
                     continue  # waiting on its environment, not in the engine
                 request, partial, episode.partial = episode.turn, episode.partial, None
             self.engine.add(GenerationRequest(request.request_id, request.prompt_ids, request.params,
-                                              partial.output_ids, partial.logprobs, partial.versions))
+                                              partial.output_ids, partial.logprobs, partial.versions,
+                                              partial.state_version))
 
     def take_env_wait_s(self) -> float:
         """Seconds the engine had nothing to decode because every live episode waited on its environment."""
@@ -248,6 +250,8 @@ class Rollouts:
         text = episode.conversation.add_model_turn(result.output_ids)
         episode.logprobs += result.logprobs
         episode.versions += result.versions
+        episode.state_version = min((v for v in (episode.state_version, result.state_version) if v is not None),
+                                    default=None)
         episode.turns += 1
         if episode.env.tools:
             episode.tool_calls += len(parse_tool_calls(text, episode.env.tools))
@@ -268,7 +272,7 @@ class Rollouts:
         self._done.append(GenerationResult(
             episode.request.request_id, conversation.token_ids[:start], conversation.token_ids[start:end],
             episode.logprobs[:end - start], episode.versions[:end - start], "length" if truncated else "stop",
-            loss_mask=conversation.loss_mask[start:end], episode=record))
+            loss_mask=conversation.loss_mask[start:end], episode=record, state_version=episode.state_version))
 
 
 def sample_rewards(problem: Problem, results: list[GenerationResult], reward_fn: Callable,

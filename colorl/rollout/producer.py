@@ -283,7 +283,9 @@ class RolloutProducer:
         group = Group(flight.problem, results, rewards, problem_index=flight.problem_index, ticket=flight.ticket,
                       done_version=self.engine.version)
         slot = flight.slot
-        slot.v_traj, slot.payload = max(slot.v_traj, group.first_version), group
+        slot.payload = group
+        if group.first_version is not None:  # never lower than the admission version it was reserved at
+            slot.v_traj = max(slot.v_traj, group.first_version)
         with self._cv:
             del self._flights[flight.ticket]
             if self.drop_zero_variance and not group.has_signal:
@@ -326,7 +328,8 @@ def _group_to_json(group: Group) -> dict:
         "problem_index": group.problem_index, "ticket": group.ticket, "done_version": group.done_version,
         "results": [{"request_id": r.request_id, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "logprobs": r.logprobs, "versions": r.versions, "finish_reason": r.finish_reason,
-                     "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None}
+                     "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None,
+                     "state_version": r.state_version}
                     for r in group.results],
     }
 

@@ -17,9 +17,10 @@ class Group:
     done_version: int | None = None  # engine version when the group was complete (None: trained at once)
 
     @property
-    def first_version(self) -> int:
-        """A group's V_traj: the oldest version that produced any of its tokens."""
-        return min(r.first_version for r in self.results)
+    def first_version(self) -> int | None:
+        """A group's V_traj: the oldest version that computed any state of its samples; None when no
+        sample has any (every episode ended before the model's first token)."""
+        return min((v for r in self.results if (v := r.first_version) is not None), default=None)
 
     @property
     def has_signal(self) -> bool:
@@ -33,7 +34,8 @@ class Group:
 
     @property
     def mixed_version_tokens(self) -> int:
-        """Tokens produced by a newer version than their sample's first token (partial rollout)."""
+        """Tokens sampled by a newer version than the oldest that computed any state of their sample
+        (partial rollout: earlier tokens, or prompt KV prefilled before a weight update)."""
         return sum(sum(1 for v in r.sampled_versions if v != r.first_version) for r in self.results)
 
 
