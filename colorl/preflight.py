@@ -56,8 +56,29 @@ def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
     print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} ({what})", flush=True)
 
 
+def check_user_code(cfg) -> None:
+    """The user code a config names imports and fits: the reward function, the environment class and
+    its `task.env_options` (ConfigError, one line naming the key)."""
+    from colorl.config import ConfigError
+    from colorl.envs import EnvError, check_env_options, resolve_env
+    from colorl.tasks.rewards import resolve_reward
+    from colorl.user_code import UserCodeError
+
+    if cfg.task.reward:
+        try:
+            resolve_reward(cfg.task.reward)
+        except UserCodeError as exc:
+            raise ConfigError(f"task.reward={cfg.task.reward!r}: {exc}") from None
+    if cfg.task.env:
+        try:
+            check_env_options(resolve_env(cfg.task.env), cfg.task.env_options)
+        except EnvError as exc:
+            raise ConfigError(f"task.env: {exc}") from None
+
+
 def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
-    """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
+    """What would otherwise fail inside the ranks: the user code it names (`check_user_code`); build
+    the model folder once (a cached alias),
     load its tokenizer, apply the chat template, draw a problem, fit the context; on CUDA, the
     memory plan. Returns warnings to print (the run goes on).
 
@@ -71,6 +92,7 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     )
     from colorl.tasks import build_task
 
+    check_user_code(cfg)
     cached = cache_root() / "models" / cfg.model.path
     building = cfg.model.path in (SMOLLM2_ALIAS, TINY_ALIAS) and not (cached / "config.json").is_file()
     if building:
