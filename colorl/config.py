@@ -129,6 +129,8 @@ class LossConfig(Section):
 
 class FilterConfig(Section):
     zero_variance: bool = False
+    # an episode whose environment faulted: left out of its group's mean and spread (exclude), or its reward 0 counted (reward_0)
+    env_faults: Literal["exclude", "reward_0"] = "exclude"
 
 
 class RedundancyConfig(Section):

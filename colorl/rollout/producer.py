@@ -93,6 +93,7 @@ class RolloutProducer:
         self.max_in_flight = max(per_rank, self.samples_per_group)
         self.recompute = cfg.staleness.partial_rollout == "recompute"
         self.drop_zero_variance = cfg.filter.zero_variance
+        self.env_faults = cfg.filter.env_faults
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._error: str | None = None
@@ -281,7 +282,7 @@ class RolloutProducer:
         results = [r for _, r in sorted(flight.done, key=lambda d: d[0])]
         rewards = sample_rewards(flight.problem, results, self.ctx.reward_fn, self.ctx.decode)
         group = Group(flight.problem, results, rewards, problem_index=flight.problem_index, ticket=flight.ticket,
-                      done_version=self.engine.version)
+                      done_version=self.engine.version, env_faults=self.env_faults)
         slot = flight.slot
         slot.payload = group
         if group.first_version is not None:  # never lower than the admission version it was reserved at
@@ -319,7 +320,7 @@ class RolloutProducer:
         """Tickets to re-issue and the completed groups of a checkpoint (the buffer takes them back)."""
         self._next_ticket = saved["next_ticket"]
         self._reissue = deque(saved["reissue"])
-        return [Slot(item["v_traj"], _group_from_json(item["group"])) for item in saved["completed"]]
+        return [Slot(item["v_traj"], _group_from_json(item["group"], self.env_faults)) for item in saved["completed"]]
 
 
 def _group_to_json(group: Group) -> dict:
@@ -334,9 +335,9 @@ def _group_to_json(group: Group) -> dict:
     }
 
 
-def _group_from_json(data: dict) -> Group:
+def _group_from_json(data: dict, env_faults: str) -> Group:
     results = [GenerationResult(**{**r, "episode": EpisodeRecord(**r["episode"]) if r.get("episode") else None})
                for r in data["results"]]
     return Group(Problem(data["prompt"], data["answer"]), results,
                  data["rewards"], problem_index=data["problem_index"], ticket=data["ticket"],
-                 done_version=data["done_version"])
+                 done_version=data["done_version"], env_faults=env_faults)

@@ -16,10 +16,12 @@ def build_batch(groups: list[Group], std_norm: bool, pad_id: int, drop_zero_vari
     it stays in the signature the modes call.
 
     Only the model's own tokens train (an episode's `loss_mask`), and none of an episode whose
-    environment faulted: its reward 0 still counts in its group's mean and spread.
+    environment faulted; its reward 0 counts in its group's mean and spread only with
+    `filter.env_faults=reward_0` (`Group.scored`).
     """
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, S]
-    advantages = group_advantages(rewards, std_norm).flatten()  # [G*S]
+    scored = torch.tensor([g.scored for g in groups], dtype=torch.bool)  # [G, S]
+    advantages = group_advantages(rewards, std_norm, scored=scored).flatten()  # [G*S]
     sequences = []
     for g in groups:
         keep = float(not drop_zero_variance or g.has_signal)
