@@ -14,7 +14,8 @@ Without an environment a sample is one engine request and `Rollouts` adds nothin
     -> the next messages (appended as context, mask 0) and the next turn, or the end and its reward
 
 An episode also ends, with reward 0, when the environment faults (raises, hangs past
-`env_timeout_s`, answers with something that is not an EnvStep: colorl/envs/guard.py), after
+`env_timeout_s`, answers with something that is not an EnvStep: colorl/envs/guard.py, or with
+messages the chat template cannot render: fault "invalid"), after
 `max_turns` model messages, or when its tokens after the opening prompt would pass
 `episode_tokens` (or the conversation would leave no room in the model's context). The finished sample is one `GenerationResult`: the opening prompt, then every
 later token with its loss mask, behaviour log-prob and version, and an `EpisodeRecord`.
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from colorl.engines.base import Engine, GenerationRequest, GenerationResult
-from colorl.envs import Conversation, EnvRunner, Environment, GuardedStep, Message, PendingStep, parse_tool_calls
+from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment, GuardedStep, Message, PendingStep,
+                         parse_tool_calls)
 from colorl.envs.base import EpisodeRecord
 from colorl.tasks.base import Problem
 
@@ -206,7 +208,11 @@ class Rollouts:
         elif answer.step.done:
             self._finish(episode, answer.step.reward)
         elif episode.conversation is None:  # the opening messages
-            episode.conversation = Conversation.start(self.setup.tokenizer, answer.step.messages, episode.env.tools)
+            try:
+                episode.conversation = Conversation.start(self.setup.tokenizer, answer.step.messages, episode.env.tools)
+            except ConversationError:  # messages the chat template cannot render: the environment's fault
+                self._finish(episode, 0.0, fault="invalid")
+                return
             episode.prompt_len = len(episode.conversation.token_ids)
             self._next_turn(episode)
         elif episode.turns >= self.setup.max_turns:
@@ -217,7 +223,11 @@ class Rollouts:
     def _add_context(self, episode: _Episode, messages: list[Message]) -> None:
         conversation = episode.conversation
         before = len(conversation.token_ids)
-        conversation.add_env_messages(messages)
+        try:
+            conversation.add_env_messages(messages)
+        except ConversationError:  # as above; the conversation is unchanged, the episode ends at the model's turn
+            self._finish(episode, 0.0, fault="invalid")
+            return
         added = len(conversation.token_ids) - before
         if len(conversation.token_ids) - episode.prompt_len >= self.setup.episode_tokens:  # no room to answer
             self._finish(episode, 0.0, truncated=True, keep=before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chat_templates import TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.envs import Conversation, ConversationError, Message, ToolSpec
 from colorl.envs.tools import render_chat
 from colorl.models import CHAT_TEMPLATE, build_tokenizer
@@ -144,3 +145,41 @@ def test_smollm2_tokenizer_episode(smollm2_dir, end_turn):
     assert conv.loss_mask == expected_mask(tokenizer, conv, turns)
     assert [t for t, m in zip(conv.token_ids, conv.loss_mask) if m] == turns[0] + turns[1]
     assert "<tool_response>\n84\n</tool_response>" in tokenizer.decode(conv.token_ids)
+
+
+def _context_after_first_turn(tokenizer, reply: str, end_turn: bool) -> tuple[Conversation, list[int], str]:
+    conv = Conversation.start(tokenizer, OPENING)
+    start = len(conv.token_ids)
+    turn = sampled(tokenizer, reply, end_turn)
+    conv.add_model_turn(turn)
+    conv.add_env_messages([Message("tool", "84", name="calculator")])
+    return conv, turn, tokenizer.decode(conv.token_ids[start + len(turn):])
+
+
+@pytest.mark.parametrize("end_turn", [True, False], ids=["stopped", "cut-off"])
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_templates_that_trim_or_add_a_bos_per_turn_extend_a_reply_with_spaces(name, end_turn):
+    """Llama 3's template trims a message's text: a reply " The answer is 4. " no longer renders as sampled.
+    The sampled ids stay, and the glue after them is the same as after a reply without spaces."""
+    tokenizer = template_tokenizer(name)
+    conv, turn, glue = _context_after_first_turn(tokenizer, " The answer is 4. ", end_turn)
+    _, _, plain_glue = _context_after_first_turn(tokenizer, "ok", end_turn)
+    assert glue == plain_glue and "<tool_response>\n84\n</tool_response>" in glue
+    assert [t for t, m in zip(conv.token_ids, conv.loss_mask) if m] == turn
+    opening = whole(tokenizer, conv, add_generation_prompt=True, upto=2)
+    assert conv.token_ids[:len(opening)] == opening and not any(conv.loss_mask[:len(opening)])
+    if name == "llama3":
+        close = "" if end_turn else "<|eot_id|>"
+        assert glue == (f"{close}<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n84\n</tool_response>"
+                        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_a_template_that_cannot_render_the_messages_is_a_conversation_error():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 1 %}"
+                               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    conv = Conversation.start(tokenizer, OPENING)
+    conv.add_model_turn(sampled(tokenizer, "hi"))
+    with pytest.raises(ConversationError, match="cannot render the conversation.*roles must alternate"):
+        conv.add_env_messages([Message("user", "again")])

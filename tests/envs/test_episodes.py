@@ -7,7 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from chat_templates import END_OF_TURN, TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native.engine import NativeEngine
@@ -208,3 +210,85 @@ def test_an_episode_ends_when_the_next_turn_would_not_fit_the_models_context(eng
         del engine.add
     assert cut.episode.truncated and cut.episode.reward == 0.0 and cut.episode.turns < 3
     assert all(len(r.prompt_ids) + r.params.max_new_tokens <= context for r in seen)
+
+
+@pytest.fixture(scope="module")
+def template_engine():
+    """A tiny model whose vocabulary holds every template's special tokens (prefill in chunks of 64)."""
+    from transformers import AutoModelForCausalLM
+
+    from colorl.models import tiny_config
+
+    tokenizer = template_tokenizer("chatml")
+    config = tiny_config(len(tokenizer))
+    config.eos_token_id = sorted({tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN.values()})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return NativeEngine(None, EngineConfig(num_blocks=512, block_size=4, max_num_seqs=8, max_prefill_tokens=64),
+                        model=model)
+
+
+def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
+    """Two episodes; "colocated": at one version. "keep" / "recompute": bounded-lag's rollout loop, new
+    weights every sixth step (here the same values) with in-flight turns kept on their KV or re-prefilled
+    (a turn's prompt takes at most two steps: re-prefilled more often, it would never finish)."""
+    weights = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+    seen, add = [], engine.add
+    rollouts = Rollouts(engine, setup)
+    try:
+        engine.add = lambda request: (seen.append(request), add(request))[1]
+        for s in range(2):
+            rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
+        done, steps = {}, 0
+        while rollouts.has_unfinished():
+            done.update({r.request_id: r for r in rollouts.step()})
+            steps += 1
+            if mode != "colocated" and steps % 6 == 0:
+                engine.update_weights(weights.items(), engine.version + 1)
+                if mode == "recompute":
+                    rollouts.resume(rollouts.interrupt(["0:0", "0:1"]))
+    finally:
+        del engine.add
+        rollouts.close()
+    return [done["0:0"], done["0:1"]], seen
+
+
+@pytest.mark.parametrize("mode", ["colocated", "keep", "recompute"])
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_episodes_under_each_chat_template_in_both_modes(template_engine, name, mode):
+    """ChatML, ChatML that trims, Llama 3 (trims, a header per turn), SmolLM2 (a default system turn),
+    Llama-2 style (a BOS per turn): real turns on the engine, tool results between them, in colocated
+    mode and across weight updates as bounded-lag mode makes them."""
+    tokenizer = template_tokenizer(name)
+    start = template_engine.version
+    results, seen = _episodes_across_updates(template_engine, _setup(tokenizer, env=scripted_envs.ShortScriptedEnv),
+                                             mode)
+    for result in results:
+        record, mask = result.episode, result.loss_mask
+        assert record.turns == 3 and record.fault is None and not record.truncated
+        assert len(mask) == len(result.output_ids) == len(result.logprobs) == len(result.versions)
+        spans = _spans(mask)
+        assert [value for value, _, _ in spans] == [1, 0, 1, 0, 1]
+        assert all(TOOL_TEXT in tokenizer.decode(result.output_ids[s:e]) for value, s, e in spans if value == 0)
+        assert all(lp < 0 for value, s, e in spans if value == 1 for lp in result.logprobs[s:e])
+        assert PROBLEM.prompt in tokenizer.decode(result.prompt_ids)
+        everything = result.prompt_ids + result.output_ids
+        turns = [r for r in seen if r.request_id.startswith(result.request_id + "/turn")]
+        assert len(turns) >= 3 and all(everything[:len(r.prompt_ids)] == r.prompt_ids for r in turns)
+        assert start <= result.first_version <= min(result.sampled_versions)
+    moved = {v for r in results for v in r.sampled_versions}
+    assert (len(moved) > 1) == (mode != "colocated")  # the updates came while the episodes ran
+
+
+def test_a_template_that_cannot_render_the_environments_messages_ends_that_episode(engine):
+    """The environment's message breaks the template (roles must alternate): an environment fault, not a crash."""
+    from colorl.models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 1 %}"
+                               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (result,) = _run(engine, _setup(tokenizer, env=scripted_envs.ShortScriptedEnv))
+    assert result.episode.fault == "invalid" and result.episode.reward == 0.0 and result.episode.turns == 1
+    assert sum(result.loss_mask) == len(result.output_ids) > 0  # the first turn, nothing after it
