@@ -230,7 +230,7 @@ class Rollouts:
             return
         added = len(conversation.token_ids) - before
         if len(conversation.token_ids) - episode.prompt_len >= self.setup.episode_tokens:  # no room to answer
-            self._finish(episode, 0.0, truncated=True, keep=before)
+            self._finish(episode, 0.0, truncated=True)
             return
         episode.logprobs += [0.0] * added
         episode.versions += [episode.versions[-1] if episode.versions else self.engine.version] * added
@@ -267,9 +267,10 @@ class Rollouts:
             episode.tool_calls += len(parse_tool_calls(text, episode.env.tools))
         episode.pending = self._pool().submit_step(episode.env, text, self.setup.timeout_s)
 
-    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: bool = False,
-                keep: int | None = None) -> None:
-        """keep: the episode's tokens end there (the environment's last answer left no room)."""
+    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: bool = False) -> None:
+        """The sample ends at the model's last token: context the environment added after it (an answer
+        that left no room for another turn, in the episode's tokens or the model's context) trains
+        nothing and would only lengthen the sequence, past the context even."""
         del self._episodes[episode.request.request_id]
         conversation, start = episode.conversation, episode.prompt_len
         record = EpisodeRecord(reward, episode.turns, episode.tool_calls, episode.tool_errors, episode.env_seconds,
@@ -278,7 +279,9 @@ class Rollouts:
             self._done.append(GenerationResult(episode.request.request_id, list(episode.request.prompt_ids), [], [], [],
                                                "stop", loss_mask=[], episode=record))
             return
-        end = len(conversation.token_ids) if keep is None else keep
+        end = len(conversation.token_ids)
+        while end > start and not conversation.loss_mask[end - 1]:
+            end -= 1
         self._done.append(GenerationResult(
             episode.request.request_id, conversation.token_ids[:start], conversation.token_ids[start:end],
             episode.logprobs[:end - start], episode.versions[:end - start], "length" if truncated else "stop",

@@ -212,6 +212,18 @@ def test_an_episode_ends_when_the_next_turn_would_not_fit_the_models_context(eng
     assert all(len(r.prompt_ids) + r.params.max_new_tokens <= context for r in seen)
 
 
+def test_an_environment_answer_past_the_context_is_not_kept_in_the_sample(engine, tokenizer):
+    """The tool's answer leaves no room for another turn: the episode ends at the model's last token, so
+    the sample never holds untrained context tokens, nor more tokens than the model's context."""
+    (full,) = _run(engine, _setup(tokenizer))
+    first_turn = next(e for value, _, e in _spans(full.loss_mask) if value == 1)
+    context = len(full.prompt_ids) + first_turn + 10  # the first tool result's text alone is longer
+    (cut,) = _run(engine, replace(_setup(tokenizer), context=context))
+    assert cut.episode.truncated and cut.episode.turns == 1
+    assert len(cut.prompt_ids) + len(cut.output_ids) <= context
+    assert cut.loss_mask == [1] * len(cut.output_ids) and len(cut.logprobs) == len(cut.versions) == first_turn
+
+
 @pytest.fixture(scope="module")
 def template_engine():
     """A tiny model whose vocabulary holds every template's special tokens (prefill in chunks of 64)."""

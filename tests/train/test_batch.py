@@ -44,3 +44,9 @@ def test_healthy_samples_keep_their_signal_without_the_faulted_one():
     advantages = build_batch([Group(Problem("p", "1"), results, [1.0, 0.0, 0.0, 1.0])], std_norm=False,
                              pad_id=0).advantages
     assert advantages.tolist() == pytest.approx([1 / 3, -2 / 3, 0.0, 1 / 3])
+
+
+def test_a_sample_whose_lengths_differ_is_refused_before_packing():
+    short = GenerationResult("3:1", [1, 2], [5, 6, 7], [-1.0, -1.0], [0, 0, 0], "stop", loss_mask=[1, 1, 1])
+    with pytest.raises(ValueError, match=r"sample '3:1': lengths differ \(output_ids 3, logprobs 2, versions 3"):
+        build_batch([Group(Problem("p", "1"), [short, episode(1.0)], [1.0, 0.0])], std_norm=True, pad_id=0)
