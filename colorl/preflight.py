@@ -130,8 +130,19 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
         if not plan.fits:
             print(plan.render(), file=sys.stderr)
             raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
-    note = cpu_bf16_note(cfg, device)
-    return [note] if note else []
+    return [note for note in (cpu_bf16_note(cfg, device), truncated_sampling_note(cfg)) if note]
+
+
+def truncated_sampling_note(cfg) -> str | None:
+    """top-p / top-k: the engine samples from a renormalised truncated distribution μ and the trainer
+    scores the whole softmax π, so the IS weights π/μ sit below 1 by design (docs/grpo.md)."""
+    rollout = cfg.rollout
+    if rollout.top_p == 1.0 and rollout.top_k == 0:
+        return None
+    keys = ", ".join(k for k, on in ((f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1),
+                                     (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0)) if on)
+    return (f"{keys}: truncated sampling, so is_weight_mean is the kept probability mass (below 1), not a "
+            "sign of engine mismatch (docs/grpo.md)")
 
 
 def _check_episodes(cfg, tokenizer) -> None:
