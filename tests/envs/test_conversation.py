@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chat_templates import TEMPLATES, template_tokenizer  # tests/helpers
+from chat_templates import ALTERNATING, TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.envs import Conversation, ConversationError, Message, ToolSpec
 from colorl.envs.tools import render_chat
 from colorl.models import CHAT_TEMPLATE, build_tokenizer
@@ -121,16 +121,21 @@ def test_turns_out_of_order_are_refused(chatml_tokenizer):
         conv.add_model_turn(sampled(chatml_tokenizer, "again"))
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused():
-    """E.g. one that drops the reasoning of past assistant turns: the text no longer grows as a prefix."""
+REWRITING = CHAT_TEMPLATE.replace("{{ message['content'] }}", "{% if message['role'] == 'assistant' and not loop.last %}"
+                                  "[earlier]{% else %}{{ message['content'] }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, error", [(REWRITING, "rewrites earlier turns"),
+                                             (ALTERNATING, "cannot render the conversation.*roles must alternate")],
+                         ids=["rewrites-earlier-turns", "roles-must-alternate"])
+def test_a_template_that_cannot_extend_the_conversation_is_refused(template, error):
+    """E.g. one that hides past assistant turns (the text no longer grows as a prefix), or one that
+    cannot render the environment's message at all."""
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "{{ message['content'] }}",
-        "{% if message['role'] == 'assistant' and not loop.last %}[earlier]"
-        "{% else %}{{ message['content'] }}{% endif %}")
+    tokenizer.chat_template = template
     conv = Conversation.start(tokenizer, OPENING)
     conv.add_model_turn(sampled(tokenizer, "thinking... 84"))
-    with pytest.raises(ConversationError, match="rewrites earlier turns"):
+    with pytest.raises(ConversationError, match=error):
         conv.add_env_messages([Message("user", "sure?")])
 
 
@@ -173,13 +178,3 @@ def test_templates_that_trim_or_add_a_bos_per_turn_extend_a_reply_with_spaces(na
         assert glue == (f"{close}<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n84\n</tool_response>"
                         "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
 
-
-def test_a_template_that_cannot_render_the_messages_is_a_conversation_error():
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 1 %}"
-                               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
-                               "{{ m['content'] }}{% endfor %}")
-    conv = Conversation.start(tokenizer, OPENING)
-    conv.add_model_turn(sampled(tokenizer, "hi"))
-    with pytest.raises(ConversationError, match="cannot render the conversation.*roles must alternate"):
-        conv.add_env_messages([Message("user", "again")])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chat_templates import END_OF_TURN, TEMPLATES, template_tokenizer  # tests/helpers
+from chat_templates import ALTERNATING, END_OF_TURN, TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native.engine import NativeEngine
@@ -160,22 +160,34 @@ def test_max_turns_and_the_token_caps_end_an_episode_with_reward_0(engine, token
     assert tokens.episode.truncated and tokens.episode.reward == 0.0 and len(tokens.output_ids) <= 60
 
 
-def test_interrupted_turns_resume_with_their_tokens(engine, tokenizer):
-    """The bounded-lag loop interrupts in-flight turns (a weight update, an eval) and resumes them."""
-    plain = _run(engine, _setup(tokenizer), n=2)
-    rollouts = Rollouts(engine, _setup(tokenizer))
+def _drive(engine, setup, every: int, between) -> tuple[list, list]:
+    """Episodes "0:0" and "0:1" through `Rollouts`, `between(rollouts, steps)` after every `every` steps (what
+    the bounded-lag loop does in flight: interrupts, weight updates); the results and the requests the engine got."""
+    seen, add = [], engine.add
+    rollouts = Rollouts(engine, setup)
     try:
+        engine.add = lambda request: (seen.append(request), add(request))[1]
         for s in range(2):
             rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
         done, steps = {}, 0
         while rollouts.has_unfinished():
             done.update({r.request_id: r for r in rollouts.step()})
             steps += 1
-            if steps % 3 == 0:  # park everything mid-turn, then continue where it stopped
-                rollouts.resume(rollouts.interrupt(["0:0", "0:1"], keep_kv=steps % 2 == 0))
+            if steps % every == 0:
+                between(rollouts, steps)
     finally:
+        del engine.add
         rollouts.close()
-    assert [done[f"0:{s}"].output_ids for s in range(2)] == [r.output_ids for r in plain]
+    return [done["0:0"], done["0:1"]], seen
+
+
+def test_interrupted_turns_resume_with_their_tokens(engine, tokenizer):
+    """The bounded-lag loop interrupts in-flight turns (a weight update, an eval) and resumes them."""
+    plain = _run(engine, _setup(tokenizer), n=2)
+    # park everything mid-turn, then continue where it stopped
+    resumed, _ = _drive(engine, _setup(tokenizer), 3,
+                        lambda rollouts, steps: rollouts.resume(rollouts.interrupt(["0:0", "0:1"], keep_kv=steps % 2 == 0)))
+    assert [r.output_ids for r in resumed] == [r.output_ids for r in plain]
 
 
 def test_without_an_environment_samples_are_the_engines_completions(engine):
@@ -241,28 +253,17 @@ def template_engine():
 
 
 def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
-    """Two episodes; "colocated": at one version. "keep" / "recompute": bounded-lag's rollout loop, new
-    weights every sixth step (here the same values) with in-flight turns kept on their KV or re-prefilled
-    (a turn's prompt takes at most two steps: re-prefilled more often, it would never finish)."""
+    """"colocated": at one version. "keep" / "recompute": new weights every sixth step (here the same values)
+    with in-flight turns kept on their KV or re-prefilled (a turn's prompt takes at most two steps:
+    re-prefilled more often, it would never finish)."""
     weights = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
-    seen, add = [], engine.add
-    rollouts = Rollouts(engine, setup)
-    try:
-        engine.add = lambda request: (seen.append(request), add(request))[1]
-        for s in range(2):
-            rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
-        done, steps = {}, 0
-        while rollouts.has_unfinished():
-            done.update({r.request_id: r for r in rollouts.step()})
-            steps += 1
-            if mode != "colocated" and steps % 6 == 0:
-                engine.update_weights(weights.items(), engine.version + 1)
-                if mode == "recompute":
-                    rollouts.resume(rollouts.interrupt(["0:0", "0:1"]))
-    finally:
-        del engine.add
-        rollouts.close()
-    return [done["0:0"], done["0:1"]], seen
+
+    def update(rollouts, steps) -> None:
+        engine.update_weights(weights.items(), engine.version + 1)
+        if mode == "recompute":
+            rollouts.resume(rollouts.interrupt(["0:0", "0:1"]))
+
+    return _drive(engine, setup, 6, update if mode != "colocated" else lambda rollouts, steps: None)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "keep", "recompute"])
@@ -297,10 +298,7 @@ def test_a_template_that_cannot_render_the_environments_messages_ends_that_episo
     from colorl.models import build_tokenizer
 
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 1 %}"
-                               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
-                               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.chat_template = ALTERNATING
     (result,) = _run(engine, _setup(tokenizer, env=scripted_envs.ShortScriptedEnv))
     assert result.episode.fault == "invalid" and result.episode.reward == 0.0 and result.episode.turns == 1
     assert sum(result.loss_mask) == len(result.output_ids) > 0  # the first turn, nothing after it

@@ -22,6 +22,11 @@ TEMPLATES = {
                             "{{ ' ' + message['content'] | trim + ' </s>' }}{% else %}"
                             "{{ '<s>[INST] ' + message['content'] | trim + ' [/INST]' }}{% endif %}{% endfor %}"),
 }
+# ChatML that refuses a user turn after the opening two messages, as templates whose roles must alternate do
+ALTERNATING = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 1 %}"
+               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # the special tokens those templates use, beyond colorl's test tokenizer's own
 EXTRA_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
 END_OF_TURN = {"chatml": "<|im_end|>", "chatml-trim": "<|im_end|>", "llama3": "<|eot_id|>", "smollm2": "<|im_end|>",
