@@ -129,6 +129,8 @@ class LossConfig(Section):
 
 class FilterConfig(Section):
     zero_variance: bool = False
+    # an episode whose environment faulted: left out of its group's mean and spread (exclude), or its reward 0 counted (reward_0)
+    env_faults: Literal["exclude", "reward_0"] = "exclude"
 
 
 class RedundancyConfig(Section):
@@ -383,7 +385,9 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def check_external(config: Config) -> None:
-    """Checks that touch the disk or import code: model path, task files, reward function."""
+    """Checks that touch the disk: model path and folder, task files, what the engine can do. User
+    code (a reward, an environment) is resolved before launch, by colorl/preflight.py: the config
+    stays data that every layer may read, importing none of them."""
     from colorl.models import ModelNotFound, check_model_path
 
     try:
@@ -401,15 +405,6 @@ def check_external(config: Config) -> None:
         value = getattr(config.task, key)
         if value and config.task.name == "jsonl" and not _is_file(Path(value)):
             raise ConfigError(f"task.{key}={value!r}: file not found")
-    if config.task.reward:
-        resolve_reward(config.task.reward)
-    if config.task.env:
-        from colorl.envs import EnvError, check_env_options, resolve_env
-
-        try:
-            check_env_options(resolve_env(config.task.env), config.task.env_options)
-        except EnvError as exc:
-            raise ConfigError(f"task.env: {exc}") from None
     check_engine_modes(config)
 
 
@@ -440,20 +435,6 @@ def check_model_folder(folder: Path, engine: str) -> None:
             ModelSpec.from_hf_config(hf_config)
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"model.path={str(folder)!r}: {exc}") from None
-
-
-def resolve_reward(spec: str):
-    """Import a user reward `module:function`; ConfigError if it cannot be found or called."""
-    from colorl.user_code import UserCodeError, import_named
-
-    try:
-        func = import_named(spec, "function")
-    except UserCodeError as exc:
-        raise ConfigError(f"task.reward={spec!r}: {exc}") from None
-    if not callable(func):
-        module_name, _, func_name = spec.partition(":")
-        raise ConfigError(f"task.reward={spec!r}: {module_name!r} has no callable {func_name!r}")
-    return func
 
 
 def dump_config(config: Config) -> str:

@@ -135,6 +135,9 @@ NOTES: dict[str, str] = {
     "loss.kl_coef": "Weight of the k3 KL penalty to the initial policy; 0 (default) keeps no reference model.",
     "loss.aggregation": "`token_mean` over the whole batch (default) or `seq_mean` (the paper's).",
     "filter.zero_variance": "Drop groups whose samples all got the same reward (no GRPO signal).",
+    "filter.env_faults": "An episode whose environment faulted trains no token; `exclude` (default, as "
+                         "verifiers / prime-rl mask errored rollouts) also leaves it out of its group's reward "
+                         "mean and spread and of the zero-variance test; `reward_0` counts its reward 0 there.",
     "mode": "`colocated` (engine and trainer take turns) or `bounded_lag` (they overlap; staleness <= η).",
     "staleness.max": "η: no group is trained with staleness above this (bounded_lag).",
     "staleness.buffer": "`staleflow` (reserve before admission), `queue_drop` (drop the oldest when "

@@ -56,8 +56,29 @@ def check_resume(cfg, run_dir: Path, step: int, force: bool) -> None:
     print(f"resuming from step {step} of {cfg.run.steps}: loading {checkpoint_dir(run_dir, step)} ({what})", flush=True)
 
 
+def check_user_code(cfg) -> None:
+    """The user code a config names imports and fits: the reward function, the environment class and
+    its `task.env_options` (ConfigError, one line naming the key)."""
+    from colorl.config import ConfigError
+    from colorl.envs import EnvError, check_env_options, resolve_env
+    from colorl.tasks.rewards import resolve_reward
+    from colorl.user_code import UserCodeError
+
+    if cfg.task.reward:
+        try:
+            resolve_reward(cfg.task.reward)
+        except UserCodeError as exc:
+            raise ConfigError(f"task.reward={cfg.task.reward!r}: {exc}") from None
+    if cfg.task.env:
+        try:
+            check_env_options(resolve_env(cfg.task.env), cfg.task.env_options)
+        except EnvError as exc:
+            raise ConfigError(f"task.env: {exc}") from None
+
+
 def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
-    """What would otherwise fail inside the ranks: build the model folder once (a cached alias),
+    """What would otherwise fail inside the ranks: the user code it names (`check_user_code`); build
+    the model folder once (a cached alias),
     load its tokenizer, apply the chat template, draw a problem, fit the context; on CUDA, the
     memory plan. Returns warnings to print (the run goes on).
 
@@ -71,6 +92,7 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     )
     from colorl.tasks import build_task
 
+    check_user_code(cfg)
     cached = cache_root() / "models" / cfg.model.path
     building = cfg.model.path in (SMOLLM2_ALIAS, TINY_ALIAS) and not (cached / "config.json").is_file()
     if building:
@@ -108,8 +130,19 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
         if not plan.fits:
             print(plan.render(), file=sys.stderr)
             raise ConfigError(f"{plan.verdict()} (`colorl plan` shows this table before launch)")
-    note = cpu_bf16_note(cfg, device)
-    return [note] if note else []
+    return [note for note in (cpu_bf16_note(cfg, device), truncated_sampling_note(cfg)) if note]
+
+
+def truncated_sampling_note(cfg) -> str | None:
+    """top-p / top-k: the engine samples from a renormalised truncated distribution μ and the trainer
+    scores the whole softmax π, so the IS weights π/μ sit below 1 by design (docs/grpo.md)."""
+    rollout = cfg.rollout
+    if rollout.top_p == 1.0 and rollout.top_k == 0:
+        return None
+    keys = ", ".join(k for k, on in ((f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1),
+                                     (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0)) if on)
+    return (f"{keys}: truncated sampling, so is_weight_mean is the kept probability mass (below 1), not a "
+            "sign of engine mismatch (docs/grpo.md)")
 
 
 def _check_episodes(cfg, tokenizer) -> None:

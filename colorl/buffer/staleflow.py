@@ -45,6 +45,7 @@ class StaleFlowBuffers:
                  eta: int | None = None) -> None:
         self.groups_per_step = check_groups(groups_per_step)
         self.eta = check_eta("staleflow", eta)
+        self.capacity = self.groups_per_step  # entries of a new buffer
         self.buffers: dict[int, _Buffer] = {}
         self.next_buf = 0  # oldest buffer not yet consumed
 
@@ -55,7 +56,7 @@ class StaleFlowBuffers:
     def _buffer(self, vbuf: int) -> _Buffer:
         buf = self.buffers.get(vbuf)
         if buf is None:
-            buf = self.buffers[vbuf] = _Buffer(self.groups_per_step)
+            buf = self.buffers[vbuf] = _Buffer(self.capacity)
         return buf
 
     def admit(self, slot: Slot) -> bool:
@@ -195,12 +196,7 @@ class RedundantStaleFlowBuffers(StaleFlowBuffers):
         if surplus < 1:
             raise ValueError(f"surplus must be >= 1, got {surplus}")
         self.surplus = surplus
-
-    def _buffer(self, vbuf: int) -> _Buffer:
-        buf = self.buffers.get(vbuf)
-        if buf is None:
-            buf = self.buffers[vbuf] = _Buffer(self.groups_per_step + self.surplus)
-        return buf
+        self.capacity = groups_per_step + surplus
 
     def complete(self, slot: Slot) -> list[Slot]:
         super().complete(slot)
@@ -213,9 +209,17 @@ class RedundantStaleFlowBuffers(StaleFlowBuffers):
         return self._close_full()
 
     def restore(self, slots: list[Slot], version: int) -> list[Slot]:
-        """A buffer that the restored groups fill is closed at once (no reservation may enter it)."""
-        dropped = super().restore(slots, version)
-        self._close_full()
+        """Restored groups fill at most `groups_per_step` entries of a buffer: a buffer they fill is
+        closed at once, as one a completion filled (its surplus entries would otherwise hold groups
+        that `take` hands out with the batch); the others get their surplus entries back."""
+        self.capacity = self.groups_per_step
+        try:
+            dropped = super().restore(slots, version)
+        finally:
+            self.capacity = self.groups_per_step + self.surplus
+        for buf in self.buffers.values():
+            if len(buf.occupied) < self.groups_per_step:
+                buf.free += self.surplus
         return dropped
 
     def _close_full(self) -> list[Slot]:

@@ -36,6 +36,7 @@ class GenerationRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
+    state_version: int | None = None  # the interrupted part's `GenerationResult.state_version`
 
 
 @dataclass
@@ -51,6 +52,10 @@ class GenerationResult:
     # of the model token before them). None: every output token was sampled.
     loss_mask: list[int] | None = None
     episode: EpisodeRecord | None = None
+    # The oldest version that computed KV some sampled token read, where the engine records it: a
+    # prompt prefilled in chunks across a weight update, read by tokens sampled after it (keep-mode
+    # partial rollout), is older than every token's version. None: no older state than the tokens.
+    state_version: int | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -65,10 +70,13 @@ class GenerationResult:
         return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
-    def first_version(self) -> int:
-        """V_traj: the version of the first generated token (the oldest that touched it)."""
+    def first_version(self) -> int | None:
+        """V_traj: the oldest version that computed any state the sampled tokens depend on (their own
+        versions and `state_version`); None when the model sampled nothing (no state was computed)."""
         versions = self.sampled_versions
-        return min(versions) if versions else -1
+        if not versions:
+            return None
+        return min(versions) if self.state_version is None else min(self.state_version, *versions)
 
 
 @dataclass(frozen=True)

@@ -149,4 +149,5 @@ def _result(request: GenerationRequest, ids: list[int], logps: list[float], vers
         request_id=request.request_id, prompt_ids=request.prompt_ids,
         output_ids=request.output_ids + ids, logprobs=request.output_logprobs + logps,
         versions=request.output_versions + [version] * len(ids), finish_reason=reason,
+        state_version=request.state_version,  # one generate call computes the prompt and the tokens
     )

@@ -6,12 +6,16 @@ ones whose behaviour log-probs the engine recorded. Everything else (the prompt,
 user turns, the template's glue between turns) is context (mask 0), tokenised as the text the
 chat template adds to the conversation so far.
 
-Finding that text: the template renders the whole conversation with and without the new
-messages and the difference is taken. The part after the model's message that closes its turn
-(ChatML: `<|im_end|>\\n`) is trimmed by the end-of-turn token the model emitted itself; a model
-cut off before emitting it (a per-turn token cap) gets the whole closing text, so its turn is
-closed. This needs a template that extends a conversation's text as a prefix (ChatML, Llama 3,
-Qwen2.5 do); one that rewrites earlier turns (e.g. drops past reasoning) raises ConversationError.
+Finding that text: the template renders the conversation with and without the new messages and
+the difference is taken, with a marker standing for the model's last message (`REPLY_MARK`): a
+template may change the message's text (Llama 3's trims its whitespace) and the sampled ids are
+kept whatever it does, so only the glue around the message is read from it. The part after the
+message that closes its turn (ChatML: `<|im_end|>\\n`) is trimmed by the end-of-turn token the model
+emitted itself; a model cut off before emitting it (a per-turn token cap) gets the whole closing
+text, so its turn is closed. This needs a template that extends a conversation's text as a prefix
+(ChatML, Llama 3, SmolLM2, Qwen2.5 do, BOS per turn or not); one that renders a model message
+differently once later turns follow raises ConversationError, and so does one that cannot render
+the messages at all (the episode loop ends that episode as an environment fault).
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from typing import Any, Sequence
 
 from colorl.envs.base import Message, ToolSpec
 from colorl.envs.tools import render_chat
+
+
+REPLY_MARK = "colorl-reply-5b1e"  # no space nor markup: a template that trims or escapes leaves it as it is
 
 
 class ConversationError(ValueError):
@@ -40,7 +47,7 @@ class Conversation:
         """The first prompt, generation prompt included, all context."""
         if not messages:
             raise ConversationError("a conversation starts with at least one message")
-        ids = _encode(tokenizer, render_chat(tokenizer, messages, tools, add_generation_prompt=True))
+        ids = _encode(tokenizer, _render(tokenizer, messages, tools, add_generation_prompt=True))
         return cls(tokenizer, tuple(tools), list(messages), ids, [0] * len(ids))
 
     def add_model_turn(self, ids: Sequence[int]) -> str:
@@ -60,16 +67,21 @@ class Conversation:
         """Append the template's rendering of the new messages and the next generation prompt, as context."""
         if self.messages[-1].role != "assistant":
             raise ConversationError("environment messages must follow a model turn")
-        *history, reply = self.messages
-        opened = render_chat(self.tokenizer, history, self.tools, add_generation_prompt=True)
-        closed = render_chat(self.tokenizer, self.messages, self.tools, add_generation_prompt=False)
-        extended = render_chat(self.tokenizer, self.messages + list(messages), self.tools, add_generation_prompt=True)
-        if not (closed.startswith(opened + reply.content) and extended.startswith(closed)):
+        history = self.messages[:-1]
+        marked = [*history, Message("assistant", REPLY_MARK)]
+        opened = _render(self.tokenizer, history, self.tools, add_generation_prompt=True)
+        closed = _render(self.tokenizer, marked, self.tools, add_generation_prompt=False)
+        extended = _render(self.tokenizer, marked + list(messages), self.tools, add_generation_prompt=True)
+        mark = closed.find(REPLY_MARK, len(opened))
+        # before the message the template may put whitespace the generation prompt leaves out (Llama 2's
+        # " "): the model wrote its own, as it did when the template trims the message's text
+        if not (closed.startswith(opened) and mark >= 0 and not closed[len(opened):mark].strip()
+                and extended.startswith(closed)):
             raise ConversationError("the chat template does not extend the conversation's text turn by turn "
                                     "(it rewrites earlier turns); multi-turn episodes need one that does")
-        closing = closed[len(opened) + len(reply.content):]
-        if self.end_of_turn and closing.startswith(self.end_of_turn):
-            closing = closing[len(self.end_of_turn):]
+        closing = closed[mark + len(REPLY_MARK):]
+        if self.end_of_turn and closing.lstrip().startswith(self.end_of_turn):  # whitespace before it: trimmed text
+            closing = closing.lstrip()[len(self.end_of_turn):]
         ids = _encode(self.tokenizer, closing + extended[len(closed):])
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
@@ -83,6 +95,16 @@ def check_template(tokenizer, tools: Sequence[ToolSpec] = ()) -> None:
     end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     conversation.add_model_turn(_encode(tokenizer, "ok") + end)
     conversation.add_env_messages([Message("tool", "1", name=tools[0].name if tools else None)])
+
+
+def _render(tokenizer, messages: Sequence[Message], tools: Sequence[ToolSpec], add_generation_prompt: bool) -> str:
+    """`render_chat`; a template that raises on these messages (e.g. roles that must alternate) is a
+    ConversationError, one line."""
+    try:
+        return render_chat(tokenizer, messages, tools, add_generation_prompt)
+    except Exception as exc:  # jinja's and the tokenizer's errors come in many types
+        raise ConversationError(f"the chat template cannot render the conversation ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -31,7 +31,8 @@ def run_colocated(ctx, stop) -> None:
         indices = list(ctx.problem_indices(ctx.state.step))
         problems = [ctx.task.train_problem(i) for i in indices]
         groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
-                                ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices)
+                                ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices,
+                                cfg.filter.env_faults)
         engine.sleep(cfg.engine.sleep_level)
         times.rollout, times.env_wait = time.perf_counter() - times.start, rollouts.take_env_wait_s()
         times.phase_done("rollout")

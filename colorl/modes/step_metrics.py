@@ -71,9 +71,10 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
     window = window or RolloutWindow()
     lengths = [n for g in groups for n in g.lengths]
     rewards = [x for g in groups for x in g.rewards]
-    staleness = [trained_version - g.first_version for g in groups]
-    done = [trained_version if g.done_version is None else g.done_version for g in groups]
-    pre_queue = [d - g.first_version for g, d in zip(groups, done)]
+    versioned = [g for g in groups if g.first_version is not None]  # a group whose model sampled nothing has no age
+    staleness = [trained_version - g.first_version for g in versioned]
+    done = [trained_version if g.done_version is None else g.done_version for g in versioned]
+    pre_queue = [d - g.first_version for g, d in zip(versioned, done)]
     in_queue = [trained_version - d for d in done]
     group_max = [max(g.lengths) for g in groups]
     reward_errors, reward_timeouts = ctx.reward_counters.take()
@@ -85,12 +86,13 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         sum(pre_queue), sum(in_queue), sum(g.mixed_version_tokens for g in groups), generated,
         window.finished_samples if not colocated else len(lengths), window.wall_s, window.idle_s,
         window.groups_aborted, window.groups_filtered, window.groups_dropped, times.trainer_wait,
-        window.samples_aborted,
+        window.samples_aborted, len(versioned),
     ], dist.ReduceOp.SUM)
-    maxes = _reduce([max(lengths), max(staleness), times.rollout, times.train, time.perf_counter() - times.start],
+    maxes = _reduce([max(lengths), max(staleness, default=0), times.rollout, times.train, time.perf_counter() - times.start],
                     dist.ReduceOp.MAX)
     (tok, n, reward_sum, correct, group_max_sum, n_groups, stale_sum, mixed, errors, timeouts, pre_sum, in_sum,
-     mixed_tokens, gen_tok, gen_n, wall_sum, idle_sum, aborted, filtered, dropped, wait_sum, samples_aborted) = sums
+     mixed_tokens, gen_tok, gen_n, wall_sum, idle_sum, aborted, filtered, dropped, wait_sum, samples_aborted,
+     n_versioned) = sums
     len_max, stale_max, t_rollout, t_train, t_step = maxes
     world = dist.get_world_size() if dist.is_initialized() else 1
     len_mean = tok / max(n, 1)
@@ -103,10 +105,10 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "step": ctx.state.step, "version": ctx.state.version, "loss": train.loss,
         "reward_mean": reward_sum / max(n, 1), "accuracy": correct / max(n, 1),
         "response_len_mean": len_mean, "response_len_max": int(len_max), "m_tail": m_tail,
-        "staleness_mean": stale_sum / max(n_groups, 1), "staleness_max": int(stale_max),
+        "staleness_mean": stale_sum / max(n_versioned, 1), "staleness_max": int(stale_max),
         "staleness_pred": ctx.predicted_staleness(rho, m_tail),
         "staleness_hist": staleness_histogram(staleness),
-        "pqs_measured": pre_sum / max(n_groups, 1), "iqs_measured": in_sum / max(n_groups, 1),
+        "pqs_measured": pre_sum / max(n_versioned, 1), "iqs_measured": in_sum / max(n_versioned, 1),
         "pqs_pred": pqs_pred, "iqs_pred": iqs_pred,
         "rollout_tokens_per_s": v_rollout, "train_tokens_per_s": v_train, "rho": rho,
         "time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": sync.time_sync_s,

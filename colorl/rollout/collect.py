@@ -57,8 +57,10 @@ def step_requests(rollout_cfg, prompt_ids: list[list[int]], group_ids: list[str]
 
 def collect_groups(rollouts: Rollouts, problems: list[Problem], prompt_ids: list[list[int]], rollout_cfg,
                    reward_fn, decode: Callable[[list[int]], str], base_seed: int,
-                   stop_ids: tuple[int, ...] = (), problem_indices: list[int] | None = None) -> list[Group]:
-    """Generate S samples (completions or episodes) per problem; reward each group as soon as its last one ends."""
+                   stop_ids: tuple[int, ...] = (), problem_indices: list[int] | None = None,
+                   env_faults: str = "exclude") -> list[Group]:
+    """Generate S samples (completions or episodes) per problem; reward each group as soon as its last one ends.
+    env_faults: `filter.env_faults` (see `Group.scored`)."""
     size = rollout_cfg.group_size
     for problem, group in zip(problems, step_requests(rollout_cfg, prompt_ids, [str(g) for g in range(len(problems))],
                                                       base_seed, stop_ids)):
@@ -74,5 +76,5 @@ def collect_groups(rollouts: Rollouts, problems: list[Problem], prompt_ids: list
                 results = [pending[g][i] for i in range(size)]
                 index = problem_indices[g] if problem_indices is not None else -1
                 groups[g] = Group(problems[g], results, sample_rewards(problems[g], results, reward_fn, decode),
-                                  problem_index=index)
+                                  problem_index=index, env_faults=env_faults)
     return [groups[g] for g in range(len(problems))]

@@ -14,7 +14,8 @@ Without an environment a sample is one engine request and `Rollouts` adds nothin
     -> the next messages (appended as context, mask 0) and the next turn, or the end and its reward
 
 An episode also ends, with reward 0, when the environment faults (raises, hangs past
-`env_timeout_s`, answers with something that is not an EnvStep: colorl/envs/guard.py), after
+`env_timeout_s`, answers with something that is not an EnvStep: colorl/envs/guard.py, or with
+messages the chat template cannot render: fault "invalid"), after
 `max_turns` model messages, or when its tokens after the opening prompt would pass
 `episode_tokens` (or the conversation would leave no room in the model's context). The finished sample is one `GenerationResult`: the opening prompt, then every
 later token with its loss mask, behaviour log-prob and version, and an `EpisodeRecord`.
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from colorl.engines.base import Engine, GenerationRequest, GenerationResult
-from colorl.envs import Conversation, EnvRunner, Environment, GuardedStep, Message, PendingStep, parse_tool_calls
+from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment, GuardedStep, Message, PendingStep,
+                         parse_tool_calls)
 from colorl.envs.base import EpisodeRecord
 from colorl.tasks.base import Problem
 
@@ -71,6 +73,7 @@ class _Episode:
     prompt_len: int = 0  # tokens of the opening prompt
     logprobs: list[float] = field(default_factory=list)  # per token after the opening prompt
     versions: list[int] = field(default_factory=list)
+    state_version: int | None = None  # the oldest of its turns' `GenerationResult.state_version`
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -160,7 +163,8 @@ class Rollouts:
                     continue  # waiting on its environment, not in the engine
                 request, partial, episode.partial = episode.turn, episode.partial, None
             self.engine.add(GenerationRequest(request.request_id, request.prompt_ids, request.params,
-                                              partial.output_ids, partial.logprobs, partial.versions))
+                                              partial.output_ids, partial.logprobs, partial.versions,
+                                              partial.state_version))
 
     def take_env_wait_s(self) -> float:
         """Seconds the engine had nothing to decode because every live episode waited on its environment."""
@@ -204,7 +208,11 @@ class Rollouts:
         elif answer.step.done:
             self._finish(episode, answer.step.reward)
         elif episode.conversation is None:  # the opening messages
-            episode.conversation = Conversation.start(self.setup.tokenizer, answer.step.messages, episode.env.tools)
+            try:
+                episode.conversation = Conversation.start(self.setup.tokenizer, answer.step.messages, episode.env.tools)
+            except ConversationError:  # messages the chat template cannot render: the environment's fault
+                self._finish(episode, 0.0, fault="invalid")
+                return
             episode.prompt_len = len(episode.conversation.token_ids)
             self._next_turn(episode)
         elif episode.turns >= self.setup.max_turns:
@@ -215,10 +223,14 @@ class Rollouts:
     def _add_context(self, episode: _Episode, messages: list[Message]) -> None:
         conversation = episode.conversation
         before = len(conversation.token_ids)
-        conversation.add_env_messages(messages)
+        try:
+            conversation.add_env_messages(messages)
+        except ConversationError:  # as above; the conversation is unchanged, the episode ends at the model's turn
+            self._finish(episode, 0.0, fault="invalid")
+            return
         added = len(conversation.token_ids) - before
         if len(conversation.token_ids) - episode.prompt_len >= self.setup.episode_tokens:  # no room to answer
-            self._finish(episode, 0.0, truncated=True, keep=before)
+            self._finish(episode, 0.0, truncated=True)
             return
         episode.logprobs += [0.0] * added
         episode.versions += [episode.versions[-1] if episode.versions else self.engine.version] * added
@@ -248,14 +260,17 @@ class Rollouts:
         text = episode.conversation.add_model_turn(result.output_ids)
         episode.logprobs += result.logprobs
         episode.versions += result.versions
+        episode.state_version = min((v for v in (episode.state_version, result.state_version) if v is not None),
+                                    default=None)
         episode.turns += 1
         if episode.env.tools:
             episode.tool_calls += len(parse_tool_calls(text, episode.env.tools))
         episode.pending = self._pool().submit_step(episode.env, text, self.setup.timeout_s)
 
-    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: bool = False,
-                keep: int | None = None) -> None:
-        """keep: the episode's tokens end there (the environment's last answer left no room)."""
+    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: bool = False) -> None:
+        """The sample ends at the model's last token: context the environment added after it (an answer
+        that left no room for another turn, in the episode's tokens or the model's context) trains
+        nothing and would only lengthen the sequence, past the context even."""
         del self._episodes[episode.request.request_id]
         conversation, start = episode.conversation, episode.prompt_len
         record = EpisodeRecord(reward, episode.turns, episode.tool_calls, episode.tool_errors, episode.env_seconds,
@@ -264,11 +279,13 @@ class Rollouts:
             self._done.append(GenerationResult(episode.request.request_id, list(episode.request.prompt_ids), [], [], [],
                                                "stop", loss_mask=[], episode=record))
             return
-        end = len(conversation.token_ids) if keep is None else keep
+        end = len(conversation.token_ids)
+        while end > start and not conversation.loss_mask[end - 1]:
+            end -= 1
         self._done.append(GenerationResult(
             episode.request.request_id, conversation.token_ids[:start], conversation.token_ids[start:end],
             episode.logprobs[:end - start], episode.versions[:end - start], "length" if truncated else "stop",
-            loss_mask=conversation.loss_mask[start:end], episode=record))
+            loss_mask=conversation.loss_mask[start:end], episode=record, state_version=episode.state_version))
 
 
 def sample_rewards(problem: Problem, results: list[GenerationResult], reward_fn: Callable,

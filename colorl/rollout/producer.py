@@ -93,6 +93,7 @@ class RolloutProducer:
         self.max_in_flight = max(per_rank, self.samples_per_group)
         self.recompute = cfg.staleness.partial_rollout == "recompute"
         self.drop_zero_variance = cfg.filter.zero_variance
+        self.env_faults = cfg.filter.env_faults
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._error: str | None = None
@@ -281,9 +282,11 @@ class RolloutProducer:
         results = [r for _, r in sorted(flight.done, key=lambda d: d[0])]
         rewards = sample_rewards(flight.problem, results, self.ctx.reward_fn, self.ctx.decode)
         group = Group(flight.problem, results, rewards, problem_index=flight.problem_index, ticket=flight.ticket,
-                      done_version=self.engine.version)
+                      done_version=self.engine.version, env_faults=self.env_faults)
         slot = flight.slot
-        slot.v_traj, slot.payload = max(slot.v_traj, group.first_version), group
+        slot.payload = group
+        if group.first_version is not None:  # never lower than the admission version it was reserved at
+            slot.v_traj = max(slot.v_traj, group.first_version)
         with self._cv:
             del self._flights[flight.ticket]
             if self.drop_zero_variance and not group.has_signal:
@@ -317,7 +320,7 @@ class RolloutProducer:
         """Tickets to re-issue and the completed groups of a checkpoint (the buffer takes them back)."""
         self._next_ticket = saved["next_ticket"]
         self._reissue = deque(saved["reissue"])
-        return [Slot(item["v_traj"], _group_from_json(item["group"])) for item in saved["completed"]]
+        return [Slot(item["v_traj"], _group_from_json(item["group"], self.env_faults)) for item in saved["completed"]]
 
 
 def _group_to_json(group: Group) -> dict:
@@ -326,14 +329,15 @@ def _group_to_json(group: Group) -> dict:
         "problem_index": group.problem_index, "ticket": group.ticket, "done_version": group.done_version,
         "results": [{"request_id": r.request_id, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "logprobs": r.logprobs, "versions": r.versions, "finish_reason": r.finish_reason,
-                     "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None}
+                     "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None,
+                     "state_version": r.state_version}
                     for r in group.results],
     }
 
 
-def _group_from_json(data: dict) -> Group:
+def _group_from_json(data: dict, env_faults: str) -> Group:
     results = [GenerationResult(**{**r, "episode": EpisodeRecord(**r["episode"]) if r.get("episode") else None})
                for r in data["results"]]
     return Group(Problem(data["prompt"], data["answer"]), results,
                  data["rewards"], problem_index=data["problem_index"], ticket=data["ticket"],
-                 done_version=data["done_version"])
+                 done_version=data["done_version"], env_faults=env_faults)

@@ -15,16 +15,26 @@ class Group:
     problem_index: int = -1  # position in the task's problem stream
     ticket: int = -1  # bounded-lag: this rank's admission number (its position in the rank's data stream)
     done_version: int | None = None  # engine version when the group was complete (None: trained at once)
+    env_faults: str = "exclude"  # filter.env_faults: are faulted episodes left out of the statistics?
 
     @property
-    def first_version(self) -> int:
-        """A group's V_traj: the oldest version that produced any of its tokens."""
-        return min(r.first_version for r in self.results)
+    def first_version(self) -> int | None:
+        """A group's V_traj: the oldest version that computed any state of its samples; None when no
+        sample has any (every episode ended before the model's first token)."""
+        return min((v for r in self.results if (v := r.first_version) is not None), default=None)
+
+    @property
+    def scored(self) -> list[bool]:
+        """The samples in the group's reward statistics (mean, spread, has_signal): with
+        `filter.env_faults=exclude` not an episode whose environment faulted (its reward 0 says
+        nothing of the model's answer); with `reward_0` every sample."""
+        return [self.env_faults == "reward_0" or r.episode is None or r.episode.fault is None for r in self.results]
 
     @property
     def has_signal(self) -> bool:
         """False for zero-variance groups: every advantage would be 0."""
-        return max(self.rewards) != min(self.rewards)
+        rewards = [x for x, scored in zip(self.rewards, self.scored) if scored]
+        return len(set(rewards)) > 1
 
     @property
     def lengths(self) -> list[int]:
@@ -33,7 +43,8 @@ class Group:
 
     @property
     def mixed_version_tokens(self) -> int:
-        """Tokens produced by a newer version than their sample's first token (partial rollout)."""
+        """Tokens sampled by a newer version than the oldest that computed any state of their sample
+        (partial rollout: earlier tokens, or prompt KV prefilled before a weight update)."""
         return sum(sum(1 for v in r.sampled_versions if v != r.first_version) for r in self.results)
 
 

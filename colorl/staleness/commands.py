@@ -5,8 +5,11 @@ predict: the closed-form model for a config, with ρ and M_tail given, taken fro
 simulate: the same configuration through the discrete-event simulator, optionally swept over
 one variable, next to the formula (rich table, JSON, PNG).
 
-Every bad input ends as one line on stderr and exit code 2. A config with `task.env` (multi-turn
-episodes) gets one note line on stderr: both models have one completion per sample, no turns or tools.
+Every bad input ends as one line on stderr and exit code 2. A config that turns on what neither
+model has gets one note line on stderr naming it: multi-turn episodes (`task.env`: one completion
+per sample, no turns or tools), and in bounded-lag mode redundancy, the zero-variance filter and
+`partial_rollout: recompute` (the models let a sample run on across updates, as `keep` does); more
+than one rank (the models run one buffer of G groups, the run one of G/world per rank in lock-step).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Setup:
     lengths: LengthModel | None  # rollout.length_override
     max_new_tokens: int
     episodes: bool = False  # task.env: a sample is a multi-turn episode, which neither model has
+    left_out: tuple[str, ...] = ()  # the other settings of the run that neither model has, as key=value
 
     @classmethod
     def from_config(cls, cfg: Any) -> Setup:
@@ -57,7 +61,7 @@ class Setup:
             workload=Workload(rollout.concurrency, rollout.batch_groups, rollout.group_size,
                               float(stale.queue_factor)),
             mode=cfg.mode, buffer=stale.buffer, eta=int(stale.max), lengths=lengths,
-            max_new_tokens=rollout.max_new_tokens, episodes=bool(cfg.task.env))
+            max_new_tokens=rollout.max_new_tokens, episodes=bool(cfg.task.env), left_out=_left_out(cfg))
 
     def sim_buffer(self) -> tuple[str, int | None]:
         """Colocated training is what StaleFlow with η = 0 reduces to: sync, staleness 0."""
@@ -135,9 +139,32 @@ def episodes_note(setup: Setup, command: str) -> str | None:
             f"modelled ({inputs}; docs/staleness.md)")
 
 
+def _left_out(cfg: Any) -> tuple[str, ...]:
+    stale, parts = cfg.staleness, []
+    if cfg.mode == "bounded_lag":
+        if stale.redundancy is not None:
+            parts.append(f"staleness.redundancy={stale.redundancy.level}")
+        if cfg.filter.zero_variance:
+            parts.append("filter.zero_variance=true")
+        if stale.partial_rollout == "recompute":  # keep is what the models assume: a sample runs on across updates
+            parts.append("staleness.partial_rollout=recompute (its re-prefill work)")
+    if cfg.launch.nproc > 1:
+        parts.append(f"launch.nproc={cfg.launch.nproc} (modelled as one rank holding all G groups)")
+    return tuple(parts)
+
+
+def left_out_note(setup: Setup, command: str) -> str | None:
+    """One line naming everything the run does that the models leave out (None: nothing)."""
+    episodes = episodes_note(setup, command)
+    if not setup.left_out:
+        return episodes
+    rest = f"not modelled: {', '.join(setup.left_out)}; the figures are for a run without them"
+    return f"{episodes}; {rest}" if episodes else f"colorl {command}: note: {rest}"
+
+
 def _print_note(setup: Setup, command: str) -> None:
     """On stderr, so `--json` stays one JSON document on stdout."""
-    note = episodes_note(setup, command)
+    note = left_out_note(setup, command)
     if note:
         print(note, file=sys.stderr)
 

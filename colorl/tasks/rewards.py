@@ -13,6 +13,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Callable
 
 STARTUP_TIMEOUT_S = 120.0
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
@@ -85,14 +86,24 @@ class RewardCounters:
         return counts
 
 
-def _reward_worker(spec: str, inbox, outbox) -> None:
-    from colorl.config import resolve_reward
+def resolve_reward(spec: str) -> Callable:
+    """A user reward `module:function`; UserCodeError (one line, without the config key) if it cannot
+    be imported or called. The pre-launch checks (colorl/preflight.py) name the key."""
+    from colorl.user_code import UserCodeError, import_named
 
+    func = import_named(spec, "function")
+    if not callable(func):
+        module_name, _, func_name = spec.partition(":")
+        raise UserCodeError(f"{module_name!r} has no callable {func_name!r}")
+    return func
+
+
+def _reward_worker(spec: str, inbox, outbox) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rank's to handle, between steps
     try:
         func = resolve_reward(spec)
     except Exception as exc:  # reported to the parent, which counts it per call
-        outbox.put(("error", str(exc)))
+        outbox.put(("error", f"task.reward={spec!r}: {exc}"))
         return
     outbox.put(("ready", 0.0))
     parent = os.getppid()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from colorl.engines.base import GenerationResult
 from colorl.rollout.types import Group
 from colorl.train.grpo import group_advantages
 from colorl.train.packing import TrainBatch
@@ -16,10 +17,15 @@ def build_batch(groups: list[Group], std_norm: bool, pad_id: int, drop_zero_vari
     it stays in the signature the modes call.
 
     Only the model's own tokens train (an episode's `loss_mask`), and none of an episode whose
-    environment faulted: its reward 0 still counts in its group's mean and spread.
+    environment faulted; its reward 0 counts in its group's mean and spread only with
+    `filter.env_faults=reward_0` (`Group.scored`).
     """
+    for g in groups:
+        for r in g.results:
+            check_lengths(r)
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, S]
-    advantages = group_advantages(rewards, std_norm).flatten()  # [G*S]
+    scored = torch.tensor([g.scored for g in groups], dtype=torch.bool)  # [G, S]
+    advantages = group_advantages(rewards, std_norm, scored=scored).flatten()  # [G*S]
     sequences = []
     for g in groups:
         keep = float(not drop_zero_variance or g.has_signal)
@@ -29,3 +35,13 @@ def build_batch(groups: list[Group], std_norm: bool, pad_id: int, drop_zero_vari
             sequences.append((r.prompt_ids + r.output_ids, [0.0] * len(r.prompt_ids) + [trained * m for m in sampled],
                               [0.0] * len(r.prompt_ids) + list(r.logprobs)))
     return TrainBatch.from_sequences(sequences, advantages)
+
+
+def check_lengths(result: GenerationResult) -> None:
+    """A sample's tokens, loss mask, behaviour log-probs and versions must line up one per output token:
+    packed, a shorter list would pair each token with another token's log-prob (ValueError, one line)."""
+    lengths = {"output_ids": len(result.output_ids), "logprobs": len(result.logprobs), "versions": len(result.versions)}
+    if result.loss_mask is not None:
+        lengths["loss_mask"] = len(result.loss_mask)
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"sample {result.request_id!r}: lengths differ ({', '.join(f'{k} {n}' for k, n in lengths.items())})")

@@ -19,12 +19,22 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [G, S] -> advantages [G, S]: (r − mean_group) / (std_group + eps)."""
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not std_norm:
-        return centered
-    return centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6,
+                     scored: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards [G, S] -> advantages [G, S]: (r − mean_group) / (std_group + eps).
+
+    scored [G, S] bool: the samples in the group's statistics (mean and unbiased spread over them
+    alone); the others, and a group with fewer than two, get advantage 0. None: every sample."""
+    if scored is None:
+        centered = rewards - rewards.mean(dim=1, keepdim=True)
+        if not std_norm:
+            return centered
+        return centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+    advantages = torch.zeros_like(rewards)
+    for row, kept in zip(range(rewards.shape[0]), scored):
+        if int(kept.sum()) >= 2:
+            advantages[row, kept] = group_advantages(rewards[row, kept][None], std_norm, eps)[0]
+    return advantages
 
 
 @dataclass

@@ -18,6 +18,25 @@ def test_a_full_buffer_aborts_its_slowest_reservations_and_is_ready():
     assert buf.admit(slots[3]) is False  # η = 0: version 0's buffer is gone, version 1 not yet allowed
 
 
+def test_a_restored_buffer_holds_one_batch_not_its_surplus_too():
+    """G/world = 1, one surplus entry, η = 1: groups completed into buffers 5 and 6, checkpointed and
+    restored at version 5, train one per step (the surplus entry of a restored buffer is not a batch place)."""
+    buf = RedundantStaleFlowBuffers(1, eta=1, surplus=1)
+    buf.restore([], 5)
+    first, second = Slot(5, payload="a"), Slot(5, payload="b")
+    assert buf.admit(first) and buf.admit(second)
+    buf.complete(first), buf.complete(second)
+    saved = [Slot(s.v_traj, payload=s.payload) for s in buf.completed()]
+    assert [s.vbuf for s in buf.completed()] == [5, 6]
+    fresh = RedundantStaleFlowBuffers(1, eta=1, surplus=1)
+    assert fresh.restore(saved, 5) == []
+    assert fresh.ready(5) and [s.payload for s in fresh.take(5).batch] == ["a"]
+    assert fresh.ready(6) and [s.payload for s in fresh.take(6).batch] == ["b"]
+    half = RedundantStaleFlowBuffers(2, eta=1, surplus=1)
+    half.restore([Slot(5)], 5)
+    assert half.states(5)[0].free == 2  # a buffer the restore did not fill keeps its surplus entry
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["admit", "complete", "complete", "take"]), st.integers(0, 99)),
                     max_size=200),

@@ -127,6 +127,7 @@ def test_existing_run_is_never_overwritten(capsys, tmp_path):
 
 def test_user_reward_module_loads(tmp_path, monkeypatch):
     from colorl.config import load_config
+    from colorl.preflight import check_user_code
 
     (tmp_path / "my_reward.py").write_text(textwrap.dedent("""
         def score(prompt, completion, answer):
@@ -134,7 +135,22 @@ def test_user_reward_module_loads(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config("configs/tiny.yaml", ["task.reward=my_reward:score"])
+    check_user_code(cfg)
     assert cfg.task.reward == "my_reward:score"
+
+
+def test_the_config_imports_no_user_code_resolution():
+    """The config is data every layer reads: resolving rewards and environments is preflight's job, so
+    config.py imports neither colorl.envs nor colorl.tasks (a circle config -> envs -> tasks -> config)."""
+    import ast
+    import inspect
+
+    import colorl.config
+
+    tree = ast.parse(inspect.getsource(colorl.config))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {m for m in imported if m.startswith(("colorl.envs", "colorl.tasks", "colorl.user_code"))}
 
 
 def test_bad_cli_flag_exits_2(capsys):

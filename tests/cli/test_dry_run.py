@@ -84,3 +84,17 @@ def test_dry_run_warns_like_the_launch_for_bf16_on_a_cpu_without_bf16_products(t
     import torch
 
     assert ("no bf16 matrix products" in out.stderr) == (torch.bfloat16 not in onednn_dtypes())
+
+
+@pytest.mark.parametrize("sets, keys", [(["rollout.top_p=0.9"], "rollout.top_p=0.9"),
+                                        (["rollout.top_k=50", "rollout.top_p=0.95"], "rollout.top_p=0.95, rollout.top_k=50"),
+                                        ([], None)])
+def test_truncated_sampling_is_said_in_one_line(tmp_path, capsys, sets, keys):
+    """top-p / top-k put the IS weights below 1 by design (docs/grpo.md): said before the run, not left to puzzle over."""
+    argv = ["train", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    for item in sets:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "is_weight_mean" in line]
+    assert notes == ([] if keys is None else [f"colorl: warning: {keys}: truncated sampling, so is_weight_mean is the "
+                                              "kept probability mass (below 1), not a sign of engine mismatch (docs/grpo.md)"])

@@ -184,6 +184,28 @@ def test_update_weights_changes_outputs_and_stamps_new_version(model_dir, other_
     assert after.versions == [1] * 16
 
 
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_a_prompt_prefilled_across_a_weight_update_keeps_the_older_version(model_dir, other_dir, keep_kv):
+    """Chunks of 16, a 40-token prompt: 16 prompt tokens' KV computed at v0, then the weights move to v1.
+    Every token is sampled at v1, but each reads v0's KV: the sample's version is 0, also after an
+    interrupt and resume (re-prefilled or on its kept KV) and when the update comes between tokens."""
+    params = replace(GREEDY, max_new_tokens=4, ignore_eos=True)
+    other = load_model(other_dir).eval()
+    eng = engine(model_dir)
+    eng.add(GenerationRequest("straddling", PROMPTS[2], params))
+    drain(eng, n_steps=1)  # the first chunk of the prompt
+    eng.update_weights(other.state_dict().items(), version=1)
+    drain(eng, n_steps=3)  # the prompt's other two chunks (v1), the first token, a second one
+    (partial,) = eng.interrupt(["straddling"], keep_kv=keep_kv)
+    eng.update_weights(other.state_dict().items(), version=2)
+    (done,) = eng.generate([GenerationRequest("straddling", partial.prompt_ids, params, partial.output_ids,
+                                              partial.logprobs, partial.versions, partial.state_version)])
+    assert done.versions == [1, 1, 2, 2]
+    assert done.state_version == 0 and done.first_version == 0
+    fresh = eng.generate([GenerationRequest("fresh", PROMPTS[2], params)])[0]
+    assert fresh.versions == [2] * 4 and fresh.first_version == 2
+
+
 def test_named_weights_are_live(model_dir, hf):
     eng = engine(model_dir)
     weights = eng.named_weights()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chat_templates import ALTERNATING, TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.envs import Conversation, ConversationError, Message, ToolSpec
 from colorl.envs.tools import render_chat
 from colorl.models import CHAT_TEMPLATE, build_tokenizer
@@ -120,16 +121,21 @@ def test_turns_out_of_order_are_refused(chatml_tokenizer):
         conv.add_model_turn(sampled(chatml_tokenizer, "again"))
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused():
-    """E.g. one that drops the reasoning of past assistant turns: the text no longer grows as a prefix."""
+REWRITING = CHAT_TEMPLATE.replace("{{ message['content'] }}", "{% if message['role'] == 'assistant' and not loop.last %}"
+                                  "[earlier]{% else %}{{ message['content'] }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, error", [(REWRITING, "rewrites earlier turns"),
+                                             (ALTERNATING, "cannot render the conversation.*roles must alternate")],
+                         ids=["rewrites-earlier-turns", "roles-must-alternate"])
+def test_a_template_that_cannot_extend_the_conversation_is_refused(template, error):
+    """E.g. one that hides past assistant turns (the text no longer grows as a prefix), or one that
+    cannot render the environment's message at all."""
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "{{ message['content'] }}",
-        "{% if message['role'] == 'assistant' and not loop.last %}[earlier]"
-        "{% else %}{{ message['content'] }}{% endif %}")
+    tokenizer.chat_template = template
     conv = Conversation.start(tokenizer, OPENING)
     conv.add_model_turn(sampled(tokenizer, "thinking... 84"))
-    with pytest.raises(ConversationError, match="rewrites earlier turns"):
+    with pytest.raises(ConversationError, match=error):
         conv.add_env_messages([Message("user", "sure?")])
 
 
@@ -144,3 +150,31 @@ def test_smollm2_tokenizer_episode(smollm2_dir, end_turn):
     assert conv.loss_mask == expected_mask(tokenizer, conv, turns)
     assert [t for t, m in zip(conv.token_ids, conv.loss_mask) if m] == turns[0] + turns[1]
     assert "<tool_response>\n84\n</tool_response>" in tokenizer.decode(conv.token_ids)
+
+
+def _context_after_first_turn(tokenizer, reply: str, end_turn: bool) -> tuple[Conversation, list[int], str]:
+    conv = Conversation.start(tokenizer, OPENING)
+    start = len(conv.token_ids)
+    turn = sampled(tokenizer, reply, end_turn)
+    conv.add_model_turn(turn)
+    conv.add_env_messages([Message("tool", "84", name="calculator")])
+    return conv, turn, tokenizer.decode(conv.token_ids[start + len(turn):])
+
+
+@pytest.mark.parametrize("end_turn", [True, False], ids=["stopped", "cut-off"])
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_templates_that_trim_or_add_a_bos_per_turn_extend_a_reply_with_spaces(name, end_turn):
+    """Llama 3's template trims a message's text: a reply " The answer is 4. " no longer renders as sampled.
+    The sampled ids stay, and the glue after them is the same as after a reply without spaces."""
+    tokenizer = template_tokenizer(name)
+    conv, turn, glue = _context_after_first_turn(tokenizer, " The answer is 4. ", end_turn)
+    _, _, plain_glue = _context_after_first_turn(tokenizer, "ok", end_turn)
+    assert glue == plain_glue and "<tool_response>\n84\n</tool_response>" in glue
+    assert [t for t, m in zip(conv.token_ids, conv.loss_mask) if m] == turn
+    opening = whole(tokenizer, conv, add_generation_prompt=True, upto=2)
+    assert conv.token_ids[:len(opening)] == opening and not any(conv.loss_mask[:len(opening)])
+    if name == "llama3":
+        close = "" if end_turn else "<|eot_id|>"
+        assert glue == (f"{close}<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n84\n</tool_response>"
+                        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+

@@ -7,7 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from chat_templates import ALTERNATING, END_OF_TURN, TEMPLATES, template_tokenizer  # tests/helpers
 from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native.engine import NativeEngine
@@ -158,22 +160,34 @@ def test_max_turns_and_the_token_caps_end_an_episode_with_reward_0(engine, token
     assert tokens.episode.truncated and tokens.episode.reward == 0.0 and len(tokens.output_ids) <= 60
 
 
-def test_interrupted_turns_resume_with_their_tokens(engine, tokenizer):
-    """The bounded-lag loop interrupts in-flight turns (a weight update, an eval) and resumes them."""
-    plain = _run(engine, _setup(tokenizer), n=2)
-    rollouts = Rollouts(engine, _setup(tokenizer))
+def _drive(engine, setup, every: int, between) -> tuple[list, list]:
+    """Episodes "0:0" and "0:1" through `Rollouts`, `between(rollouts, steps)` after every `every` steps (what
+    the bounded-lag loop does in flight: interrupts, weight updates); the results and the requests the engine got."""
+    seen, add = [], engine.add
+    rollouts = Rollouts(engine, setup)
     try:
+        engine.add = lambda request: (seen.append(request), add(request))[1]
         for s in range(2):
             rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
         done, steps = {}, 0
         while rollouts.has_unfinished():
             done.update({r.request_id: r for r in rollouts.step()})
             steps += 1
-            if steps % 3 == 0:  # park everything mid-turn, then continue where it stopped
-                rollouts.resume(rollouts.interrupt(["0:0", "0:1"], keep_kv=steps % 2 == 0))
+            if steps % every == 0:
+                between(rollouts, steps)
     finally:
+        del engine.add
         rollouts.close()
-    assert [done[f"0:{s}"].output_ids for s in range(2)] == [r.output_ids for r in plain]
+    return [done["0:0"], done["0:1"]], seen
+
+
+def test_interrupted_turns_resume_with_their_tokens(engine, tokenizer):
+    """The bounded-lag loop interrupts in-flight turns (a weight update, an eval) and resumes them."""
+    plain = _run(engine, _setup(tokenizer), n=2)
+    # park everything mid-turn, then continue where it stopped
+    resumed, _ = _drive(engine, _setup(tokenizer), 3,
+                        lambda rollouts, steps: rollouts.resume(rollouts.interrupt(["0:0", "0:1"], keep_kv=steps % 2 == 0)))
+    assert [r.output_ids for r in resumed] == [r.output_ids for r in plain]
 
 
 def test_without_an_environment_samples_are_the_engines_completions(engine):
@@ -208,3 +222,83 @@ def test_an_episode_ends_when_the_next_turn_would_not_fit_the_models_context(eng
         del engine.add
     assert cut.episode.truncated and cut.episode.reward == 0.0 and cut.episode.turns < 3
     assert all(len(r.prompt_ids) + r.params.max_new_tokens <= context for r in seen)
+
+
+def test_an_environment_answer_past_the_context_is_not_kept_in_the_sample(engine, tokenizer):
+    """The tool's answer leaves no room for another turn: the episode ends at the model's last token, so
+    the sample never holds untrained context tokens, nor more tokens than the model's context."""
+    (full,) = _run(engine, _setup(tokenizer))
+    first_turn = next(e for value, _, e in _spans(full.loss_mask) if value == 1)
+    context = len(full.prompt_ids) + first_turn + 10  # the first tool result's text alone is longer
+    (cut,) = _run(engine, replace(_setup(tokenizer), context=context))
+    assert cut.episode.truncated and cut.episode.turns == 1
+    assert len(cut.prompt_ids) + len(cut.output_ids) <= context
+    assert cut.loss_mask == [1] * len(cut.output_ids) and len(cut.logprobs) == len(cut.versions) == first_turn
+
+
+@pytest.fixture(scope="module")
+def template_engine():
+    """A tiny model whose vocabulary holds every template's special tokens (prefill in chunks of 64)."""
+    from transformers import AutoModelForCausalLM
+
+    from colorl.models import tiny_config
+
+    tokenizer = template_tokenizer("chatml")
+    config = tiny_config(len(tokenizer))
+    config.eos_token_id = sorted({tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN.values()})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return NativeEngine(None, EngineConfig(num_blocks=512, block_size=4, max_num_seqs=8, max_prefill_tokens=64),
+                        model=model)
+
+
+def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
+    """"colocated": at one version. "keep" / "recompute": new weights every sixth step (here the same values)
+    with in-flight turns kept on their KV or re-prefilled (a turn's prompt takes at most two steps:
+    re-prefilled more often, it would never finish)."""
+    weights = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+
+    def update(rollouts, steps) -> None:
+        engine.update_weights(weights.items(), engine.version + 1)
+        if mode == "recompute":
+            rollouts.resume(rollouts.interrupt(["0:0", "0:1"]))
+
+    return _drive(engine, setup, 6, update if mode != "colocated" else lambda rollouts, steps: None)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "keep", "recompute"])
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_episodes_under_each_chat_template_in_both_modes(template_engine, name, mode):
+    """ChatML, ChatML that trims, Llama 3 (trims, a header per turn), SmolLM2 (a default system turn),
+    Llama-2 style (a BOS per turn): real turns on the engine, tool results between them, in colocated
+    mode and across weight updates as bounded-lag mode makes them."""
+    tokenizer = template_tokenizer(name)
+    start = template_engine.version
+    results, seen = _episodes_across_updates(template_engine, _setup(tokenizer, env=scripted_envs.ShortScriptedEnv),
+                                             mode)
+    for result in results:
+        record, mask = result.episode, result.loss_mask
+        assert record.turns == 3 and record.fault is None and not record.truncated
+        assert len(mask) == len(result.output_ids) == len(result.logprobs) == len(result.versions)
+        spans = _spans(mask)
+        assert [value for value, _, _ in spans] == [1, 0, 1, 0, 1]
+        assert all(TOOL_TEXT in tokenizer.decode(result.output_ids[s:e]) for value, s, e in spans if value == 0)
+        assert all(lp < 0 for value, s, e in spans if value == 1 for lp in result.logprobs[s:e])
+        assert PROBLEM.prompt in tokenizer.decode(result.prompt_ids)
+        everything = result.prompt_ids + result.output_ids
+        turns = [r for r in seen if r.request_id.startswith(result.request_id + "/turn")]
+        assert len(turns) >= 3 and all(everything[:len(r.prompt_ids)] == r.prompt_ids for r in turns)
+        assert start <= result.first_version <= min(result.sampled_versions)
+    moved = {v for r in results for v in r.sampled_versions}
+    assert (len(moved) > 1) == (mode != "colocated")  # the updates came while the episodes ran
+
+
+def test_a_template_that_cannot_render_the_environments_messages_ends_that_episode(engine):
+    """The environment's message breaks the template (roles must alternate): an environment fault, not a crash."""
+    from colorl.models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ALTERNATING
+    (result,) = _run(engine, _setup(tokenizer, env=scripted_envs.ShortScriptedEnv))
+    assert result.episode.fault == "invalid" and result.episode.reward == 0.0 and result.episode.turns == 1
+    assert sum(result.loss_mask) == len(result.output_ids) > 0  # the first turn, nothing after it

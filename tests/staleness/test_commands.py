@@ -124,6 +124,27 @@ def test_multi_turn_configs_get_one_note_that_episodes_are_not_modelled(config, 
     assert captured.err.count("note:") == 1 and "note:" not in captured.out
 
 
+@pytest.mark.parametrize("command", ["predict", "simulate"])
+def test_what_the_models_leave_out_is_said_in_one_line(config, capsys, command):
+    """Redundancy, the zero-variance filter, recompute and several ranks change the real run; neither
+    model has them, so one note line on stderr names each one set (and the run's mode decides which count)."""
+    steps = ["--steps", "50"] if command == "simulate" else []
+    bounded = ["--set", "mode=bounded_lag", "--set", "staleness.buffer=staleflow", "--set", "rollout.batch_groups=8"]
+    assert run(command, config, *steps, *bounded, "--json") == 0
+    assert capsys.readouterr().err == ""  # partial_rollout=keep, one rank: what the models assume
+    extra = ["--set", "launch.nproc=8", "--set", "filter.zero_variance=true", "--set", "staleness.partial_rollout=recompute",
+             "--set", "staleness.redundancy={level: batch, ratio: 0.5}"]
+    assert run(command, config, *steps, *bounded, *extra, "--json") == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    (note,) = captured.err.strip().splitlines()
+    assert note.startswith(f"colorl {command}: note: not modelled: staleness.redundancy=batch, filter.zero_variance=true, "
+                           "staleness.partial_rollout=recompute (its re-prefill work), launch.nproc=8 ")
+    assert run(command, config, *steps, "--set", "mode=colocated", *extra[:4], "--json") == 0
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert "not modelled: launch.nproc=8" in note and "zero_variance" not in note  # colocated: no buffer to filter
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rho", "-1"], "--rho"),
     (["--m-tail", "0.5"], "--m-tail"),

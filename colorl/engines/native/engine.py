@@ -122,6 +122,7 @@ class NativeEngine(Engine):
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq.logprobs = list(request.output_logprobs)
         seq.versions = list(request.output_versions)
+        seq.state_version = request.state_version
         reason = Scheduler.stop_reason(seq)
         if reason is not None:  # nothing left to generate
             if resumed:
@@ -253,6 +254,7 @@ class NativeEngine(Engine):
         return GenerationResult(
             request_id=seq.request_id, prompt_ids=seq.token_ids[:seq.num_prompt_tokens], output_ids=seq.output_ids,
             logprobs=list(seq.logprobs), versions=list(seq.versions), finish_reason=reason,
+            state_version=seq.state_version,
         )
 
 

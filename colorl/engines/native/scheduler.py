@@ -45,6 +45,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     logprobs: list[float] = field(default_factory=list)  # one per output token
     versions: list[int] = field(default_factory=list)  # one per output token
+    kv_version: int | None = None  # the version that computed the oldest KV now in its cache
+    state_version: int | None = None  # the oldest `kv_version` a sampled token read (GenerationResult)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     block_table: list[int] = field(default_factory=list)
@@ -255,8 +257,12 @@ class Scheduler:
         finished = list(batch.truncated)
         for i, seq in enumerate(batch.seqs):
             seq.num_computed_tokens = batch.starts[i] + batch.num_tokens[i]
+            if seq.kv_version is None:  # versions only grow: the first KV written is the oldest
+                seq.kv_version = version
             if i not in sampled:
                 continue
+            if seq.state_version is None or seq.kv_version < seq.state_version:
+                seq.state_version = seq.kv_version
             token, logprob = sampled[i]
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
@@ -321,6 +327,7 @@ class Scheduler:
         seq.block_table = []
         seq.block_keys = []
         seq.key_epoch = -1
+        seq.kv_version = None
         seq.num_computed_tokens = seq.num_cached_tokens = 0
 
     def _finish(self, seq: Sequence, reason: str) -> None:
