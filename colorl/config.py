@@ -44,6 +44,7 @@ class RunConfig(Section):
     optimizer_state: Literal["newest", "all"] = "newest"  # which checkpoints keep the optimizer state
     eval_every: int = Field(0, ge=0)  # 0: no periodic eval
     eval_prompts: int = Field(32, ge=0)
+    log_samples_every: int = Field(5, ge=0)  # decoded samples to RUN_DIR/samples.jsonl and the screen; 0: never
     tensorboard: bool = False
     wandb: Optional[WandbConfig] = None  # Weights & Biases tracking; null: off
 

@@ -41,6 +41,9 @@ NOTES: dict[str, str] = {
                            "`all`: every checkpoint keeps it.",
     "run.eval_every": "Held-out greedy accuracy every N steps (and once before step 1); 0: never.",
     "run.eval_prompts": "Held-out problems per evaluation (capped by the task's eval split).",
+    "run.log_samples_every": "Every N steps (and the last) write the first groups' samples, decoded, with prompt, answer, "
+                             "reward and how each ended, to `RUN_DIR/samples.jsonl`, and show a group's best and worst "
+                             "on screen (TRL's `log_completions`); 0: never.",
     "run.tensorboard": "Also log every metric to `RUN_DIR/tensorboard` (needs `colorl[tensorboard]`).",
     "run.wandb": "Also track the run with Weights & Biases (needs `colorl[wandb]`; rank 0): every metric at its "
                  "step, the resolved config and, at the end, the `colorl plot` charts; `--resume` continues the same "

@@ -86,12 +86,21 @@ class RankContext:
         every, step = self.cfg.run.save_every, self.state.step
         return step == self.cfg.run.steps or (every > 0 and step % every == 0)
 
-    def log_step(self, record: dict) -> None:
+    def log_step(self, record: dict, groups=()) -> None:
+        """The step's metrics; every `run.log_samples_every` steps also a few of its samples, decoded."""
         if self.rank != 0:
             return
         self.metrics.write(record)
         self.history.append(record)
         self.display.step_done(record)
+        every = self.cfg.run.log_samples_every
+        if every and groups and (record["step"] % every == 0 or record["step"] == self.cfg.run.steps):
+            from colorl.metrics.samples import append_samples, sample_records, screen_lines
+
+            samples = sample_records(record["step"], groups, self.decode)
+            append_samples(self.run_dir, samples)
+            for line in screen_lines(samples):
+                self.display.message(line)
 
     def predicted_staleness(self, rho: float, m_tail: float) -> float:
         """Forecast from this run's own measured ρ and M_tail (0 in colocated mode, by construction)."""

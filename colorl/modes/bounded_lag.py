@@ -80,7 +80,7 @@ def run_bounded_lag(ctx, stop) -> None:
             ctx.state.data_position += cfg.rollout.batch_groups
             record = step_record(ctx, groups, train_stats, sync_stats, times,
                                  trained_version=ctx.state.version - 1, window=window)
-            ctx.log_step({**record, **ctx.maybe_evaluate(producer.evaluate)})
+            ctx.log_step({**record, **ctx.maybe_evaluate(producer.evaluate)}, groups)
             ctx.check_numerics(train_stats, producer.snapshot)
             stopping = stop.agreed()
             if stopping or ctx.should_save():

@@ -58,7 +58,7 @@ def run_colocated(ctx, stop) -> None:
         ctx.state.version += 1
         ctx.state.data_position += cfg.rollout.batch_groups
         record = step_record(ctx, groups, train_stats, sync_stats, times, trained_version=ctx.state.version - 1)
-        ctx.log_step({**record, **ctx.maybe_evaluate()})
+        ctx.log_step({**record, **ctx.maybe_evaluate()}, groups)
         ctx.check_numerics(train_stats)
         stopping = stop.agreed()
         if stopping or ctx.should_save():
