@@ -87,6 +87,9 @@ class Engine(ABC):
     version: int = 0
     # In-flight sequences continue on their KV cache across `update_weights` (partial rollout "keep").
     keeps_kv_across_updates: bool = False
+    # Every step runs with the thread count the engine was built with (vLLM's CPU attention), so in
+    # bounded-lag mode the worker builds it with the rollout loop's share of the cores.
+    keeps_build_threads: bool = False
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...

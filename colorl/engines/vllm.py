@@ -44,6 +44,15 @@ verbs map:
     abort          `LLMEngine.abort_request`; `interrupt` returns the tokens accumulated so far.
                    vLLM drops an aborted request's KV; what it keeps is in the prefix cache.
 
+    threads        every step runs with the team size of the thread that built the engine
+                   (colorl/threads.py `pinned`): vLLM's CPU attention plans a step's work for
+                   `omp_get_max_threads()` when it builds the step's metadata and refuses to run
+                   it with another (cpu_attn_impl.hpp, `input->metadata->thread_num ==
+                   thread_num`), and a thread's first torch parallel region resets that thread's
+                   count to torch's process-wide one: in a new thread (bounded-lag's rollout
+                   loop) the count changed inside the first step. The rollout loop's share of the
+                   cores is therefore fixed for vLLM: the worker builds it with that share.
+
 CPU needs: head sizes 32, 64, 80, 96, ... (vLLM's CPU attention refuses 16), and KV blocks that
 are multiples of 32 (vLLM picks its own block size; `engine.block_size` is not used).
 `enforce_eager=True` on CPU (start-up in seconds instead of ~90 s of torch.compile warm-up).
@@ -60,6 +69,7 @@ from typing import Iterable, Mapping
 import torch
 
 from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.threads import pinned
 
 VLLM_VERSION = "0.32.0"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -99,6 +109,7 @@ class VLLMEngine(Engine):
     max_num_seqs, max_prefill_tokens -> max_num_batched_tokens, num_blocks -> the CPU KV pool in MiB)."""
 
     keeps_kv_across_updates = True
+    keeps_build_threads = True
 
     def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  compile_on_cpu: bool = False):
@@ -133,6 +144,7 @@ class VLLMEngine(Engine):
                 engine_cfg.num_blocks * CPU_KV_BYTES_PER_BLOCK if engine_cfg.num_blocks else CPU_KV_DEFAULT_BYTES))
         self._llm = LLM(**options)
         self._engine = self._llm.llm_engine
+        self._threads = torch.get_num_threads()  # every step runs with it (see the module docstring)
         self._core = self._engine.engine_core.engine_core  # the in-process EngineCore
         # vLLM's exit-time finalizer tears down its model-parallel groups, built on colorl's process
         # group, which the run has destroyed by then (it fails with "Invalid process group"): the
@@ -190,7 +202,8 @@ class VLLMEngine(Engine):
             return finished
         self._reload_if_dirty()
         start = time.perf_counter()
-        outputs = self._engine.step()
+        with pinned(self._threads):
+            outputs = self._engine.step()
         self._seconds += time.perf_counter() - start
         for out in outputs:
             live = self._live.get(out.request_id)

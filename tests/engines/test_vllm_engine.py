@@ -2,6 +2,10 @@
 generation, behaviour log-probs, weight updates, partial rollout (keep and recompute)."""
 from __future__ import annotations
 
+import ctypes
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from colorl.config import EngineConfig  # noqa: E402
 from colorl.engines import build_engine  # noqa: E402
 from colorl.engines.base import GenerationRequest, SamplingParams  # noqa: E402
 from colorl.models import load_model, save_tiny_model  # noqa: E402
+from colorl.threads import pinned, set_threads  # noqa: E402
 
 MAX_NEW = 12
 
@@ -124,3 +129,68 @@ def test_sleep_on_cpu_keeps_serving(engine):
     engine.wake()
     (r,) = engine.generate(requests(1, 1.0, "woken"))
     assert len(r.output_ids) == MAX_NEW
+
+
+def _openmp() -> ctypes.CDLL:
+    """torch's OpenMP runtime, which vLLM's kernels share (they link libtorch_cpu)."""
+    (library,) = (Path(torch.__file__).parent / "lib").glob("libgomp*.so*")
+    return ctypes.CDLL(str(library))
+
+
+def _in_new_thread(work) -> None:
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def test_every_step_runs_with_the_team_size_the_engine_was_built_with(model_dir, monkeypatch):
+    """vLLM's CPU attention plans a step for the thread's OpenMP team size when it builds the step's
+    metadata and refuses (cpu_attn_impl.hpp) to run with another; the kernel that checks depends on
+    the CPU, so the team size is recorded here at both points on every CPU and must be the one the
+    engine was built with: in a new thread whose OpenMP default differs from torch's count (its first
+    torch parallel region changes it mid-step: bounded-lag's rollout loop), and in a thread whose
+    count changes between steps (bounded-lag's core share)."""
+    from vllm import _custom_ops as ops
+
+    omp = _openmp()
+    seen: list[tuple[str, int]] = []
+
+    def recording(name, kernel):
+        def call(*args, **kwargs):
+            seen.append((name, omp.omp_get_max_threads()))
+            return kernel(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ops, "cpu_attn_get_scheduler_metadata", recording("metadata", ops.cpu_attn_get_scheduler_metadata))
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", recording("attention", ops.cpu_attention_with_kv_cache))
+    with pinned(1):
+        engine = build_engine("vllm", model_dir, EngineConfig(max_num_seqs=4, num_blocks=64))
+    fresh: list[int] = []
+    _in_new_thread(lambda: fresh.append(omp.omp_get_max_threads()))
+    process_wide = torch.get_num_threads()
+    set_threads(fresh[0] + 1)  # torch's count now differs from a new thread's OpenMP default
+    try:
+        _in_new_thread(lambda: engine.generate(requests(2, 1.0, "fresh")))
+
+        def changing_between_steps():
+            for r in requests(2, 1.0, "shared"):
+                engine.add(r)
+            for count in (2, 3, 2, 3):
+                set_threads(count)
+                engine.step()
+        _in_new_thread(changing_between_steps)
+    finally:
+        set_threads(process_wide)
+        engine.shutdown()
+    assert {name for name, _ in seen} == {"metadata", "attention"}
+    assert {count for _, count in seen} == {1}, seen
