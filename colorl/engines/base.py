@@ -91,6 +91,12 @@ class Engine(ABC):
     # bounded-lag mode the worker builds it with the rollout loop's share of the cores.
     keeps_build_threads: bool = False
 
+    @classmethod
+    def model_refusal(cls, hf_config, device: str) -> str | None:
+        """Why this engine cannot serve a model with this Hugging Face config on `device` (one line
+        for the user, checked before launch), or None."""
+        return None
+
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...
 

@@ -76,6 +76,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 CPU_KV_BYTES_PER_BLOCK = 1 << 20  # on CPU the KV pool is sized in bytes: engine.num_blocks MiB, else
 CPU_KV_DEFAULT_BYTES = 1 << 30  # 1 GiB (vLLM's CPU default is 4 GiB per engine)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # CPUAttentionBackend.get_supported_head_sizes
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,19 @@ class VLLMEngine(Engine):
         self._said_cpu_sleep = False
         self._finished = 0
         self._tokens, self._seconds = 0, 0.0
+
+    @classmethod
+    def model_refusal(cls, hf_config, device: str) -> str | None:
+        """vLLM's CPU attention refuses other head sizes at start-up (`Unsupported CPU attention
+        configuration`); on CUDA its attention backends take the models colorl trains."""
+        from colorl.models import SMOLLM2_ALIAS, TINY_HD32_ALIAS, head_dim
+
+        size = head_dim(hf_config)
+        if torch.device(device).type != "cpu" or size in CPU_HEAD_SIZES:
+            return None
+        return (f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {', '.join(map(str, CPU_HEAD_SIZES))} "
+                f"and this model has head_dim {size}; use model.path={TINY_HD32_ALIAS} (tiny) or {SMOLLM2_ALIAS}, "
+                f"or rollout.engine=native")
 
     # -- requests --------------------------------------------------------------------------------
 

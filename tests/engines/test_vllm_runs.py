@@ -79,3 +79,13 @@ def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert all(f"PASS  {case} " in out for case in cases), out
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
+def test_a_model_vllm_refuses_on_cpu_is_refused_before_launch_in_one_line(tmp_path, capsys, dry_run):
+    args = ["train", "configs/tiny.yaml", "--set", "rollout.engine=vllm", "--set", "launch.device=cpu",
+            "--run-dir", str(tmp_path / "run"), *(["--dry-run"] if dry_run else [])]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim 16" in err[0] and "model.path=tiny-random-llama-hd32" in err[0], err
+    assert not (tmp_path / "run").exists()  # nothing launched
