@@ -4,6 +4,7 @@ Everything a mode needs is gathered in `RankContext`, so a mode's loop reads as 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from colorl import distributed, faults
 from colorl.config import Config, dump_config
 from colorl.engines import build_engine, engine_class
 from colorl.engines.base import Engine
+from colorl.engines.engine_log import EngineLog
 from colorl.evaluate import EvalResult, evaluate
 from colorl.files import write_atomic
 from colorl.metrics.display import Display
@@ -257,11 +259,15 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})
     engine_dtype = DTYPES[cfg.engine.dtype or cfg.model.dtype]  # the checkpoint engine casts to it
+    engine_cls = engine_class(cfg.rollout.engine)
     threads = torch.get_num_threads()
-    if cfg.mode == "bounded_lag" and engine_class(cfg.rollout.engine).keeps_build_threads:
+    if cfg.mode == "bounded_lag" and engine_cls.keeps_build_threads:
         threads = CoreShare.of_rank(cfg.launch, threads).rollout  # it keeps the rollout loop's share
-    with pinned(threads):
+    engine_log = EngineLog.of_run(run_dir, rank)
+    with pinned(threads), engine_log.capturing() if engine_cls.log_names else contextlib.nullcontext():
         engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, engine_dtype)
+    if engine_cls.log_names:
+        engine_log.route(engine_cls.log_names)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 
     weight_sync = CheckpointEngine(trainer.model, engine, cfg.sync, cfg.model.lora)

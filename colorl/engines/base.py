@@ -90,6 +90,9 @@ class Engine(ABC):
     # Every step runs with the thread count the engine was built with (vLLM's CPU attention), so in
     # bounded-lag mode the worker builds it with the rollout loop's share of the cores.
     keeps_build_threads: bool = False
+    # The loggers of the library behind the engine: their records go to RUN_DIR/engine.log, and the
+    # engine's start-up output with them (colorl/engines/engine_log.py).
+    log_names: tuple[str, ...] = ()
 
     @classmethod
     def model_refusal(cls, hf_config, device: str) -> str | None:

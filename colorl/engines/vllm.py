@@ -111,6 +111,7 @@ class VLLMEngine(Engine):
 
     keeps_kv_across_updates = True
     keeps_build_threads = True
+    log_names = ("vllm", __name__)  # vLLM's log, and the notes here (sleep on CPU)
 
     def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  compile_on_cpu: bool = False):
