@@ -75,14 +75,16 @@ def test_colocated_world_size_2(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts(tmp_path, capsys):
-    """`colorl doctor` on CPU adds the vllm cases where vLLM is installed, on the tiny model with head_dim 32."""
+def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts_on_a_quiet_screen(tmp_path, capfd):
+    """`colorl doctor` on CPU adds the vllm cases where vLLM is installed, on the tiny model with head_dim 32;
+    the screen (the ranks' file descriptors included) holds only the doctor's own lines."""
     cases = ["vllm/colocated/sleep2/lora", "vllm/bounded_lag/full"]
     code = main(["doctor", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "d"),
                  *[a for c in cases for a in ("--case", c)]])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
     assert all(f"PASS  {case} " in out for case in cases), out
+    assert all(line.startswith(("colorl doctor:", "PASS  ")) for line in (out + err).splitlines()), out + err
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
