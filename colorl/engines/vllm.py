@@ -39,7 +39,9 @@ verbs map:
                    be running then and vLLM resets it only when none is, so prefix caching is off
                    there (no new request starts from prompt KV of an older version).
     sleep / wake   CUDA: `sleep(level)` (1: weights to host, KV dropped; 2: both dropped; the
-                   weights come back from the copy here on wake) / `wake_up()`. vLLM's CPU build
+                   weights come back from the copy here on wake) / `wake_up()`. A sync while
+                   asleep only writes the copy: vLLM's weights are unmapped then, and a level-1
+                   wake maps back the weights as they were at sleep, so wake loads the copy. vLLM's CPU build
                    cannot release memory: sleep says so once and does nothing.
     abort          `LLMEngine.abort_request`; `interrupt` returns the tokens accumulated so far.
                    vLLM drops an aborted request's KV; what it keeps is in the prefix cache.
@@ -56,6 +58,8 @@ verbs map:
 CPU needs: head sizes 32, 64, 80, 96, ... (vLLM's CPU attention refuses 16), and KV blocks that
 are multiples of 32 (vLLM picks its own block size; `engine.block_size` is not used).
 `enforce_eager=True` on CPU (start-up in seconds instead of ~90 s of torch.compile warm-up).
+CUDA: each rank's engine on the rank's own device (`_executor_on`), async scheduling off in
+bounded-lag (a step's tokens were computed by the version in force during that step).
 """
 from __future__ import annotations
 
@@ -135,7 +139,12 @@ class VLLMEngine(Engine):
             max_model_len=min(int(getattr(hf_config, "max_position_embeddings", 4096)), 32768),
         )
         if self._cuda:
-            options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True)
+            # async scheduling (vLLM's default on CUDA) hands a step's output back one step later: a batch
+            # computed before a weight update would come back stamped with the new version. Bounded-lag
+            # updates weights between steps with requests running; colocated mode only between batches.
+            options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True,
+                           distributed_executor_backend=_executor_on(_device_index(device)),
+                           async_scheduling=not engine_cfg.in_flight_updates)
         else:
             # whole prompts only: a chunked prefill discards its partial step's sampled token and rewinds a
             # seeded request's generator (`set_offset`), which torch's CPU generator refuses (seen with the
@@ -281,7 +290,7 @@ class VLLMEngine(Engine):
         self._core.set_weight_version(str(value))
 
     def _reload_if_dirty(self) -> None:
-        if not self._dirty or self._asleep >= 2:
+        if not self._dirty or self._asleep:  # asleep, vLLM's weights are on the host (1) or gone (2): wake reloads
             return
         running = bool(self._live)
         if running:
@@ -314,10 +323,10 @@ class VLLMEngine(Engine):
         if not self._asleep:
             return
         level, self._asleep = self._asleep, 0
-        self._llm.wake_up()
+        self._llm.wake_up()  # level 1: vLLM maps back the weights it offloaded, as they were at sleep
         if level >= 2:  # vLLM dropped its weights: they come back from the copy
             self._dirty = True
-        self._reload_if_dirty()
+        self._reload_if_dirty()  # and a sync that came in while asleep is loaded now
 
     def stats(self) -> EngineStats:
         scheduler = self._core.scheduler
@@ -330,6 +339,27 @@ class VLLMEngine(Engine):
 
     def shutdown(self) -> None:
         self._engine.engine_core.shutdown()
+
+
+def _device_index(device: str) -> int:
+    """The CUDA device this rank's engine belongs on: the one named, else the rank's current one."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _executor_on(index: int):
+    """vLLM's in-process executor, on CUDA device `index`. Its own takes the device index from
+    `device_config.device`, which vLLM builds as plain "cuda", so every rank's engine would go to
+    device 0 and switch the rank's current device there (uniproc_executor.py `_distributed_args`,
+    gpu_worker.py `init_device`)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class UniProcExecutorOnDevice(UniProcExecutor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init_method, rank, _ = super()._distributed_args()
+            return init_method, rank, index
+
+    return UniProcExecutorOnDevice
 
 
 def _repack_vocab_layers(model) -> None:
