@@ -41,8 +41,8 @@ verbs map:
     sleep / wake   CUDA: `sleep(level)` (1: weights to host, KV dropped; 2: both dropped; the
                    weights come back from the copy here on wake) / `wake_up()`. A sync while
                    asleep only writes the copy: vLLM's weights are unmapped then, and a level-1
-                   wake maps back the weights as they were at sleep, so wake loads the copy. vLLM's CPU build
-                   cannot release memory: sleep says so once and does nothing.
+                   wake maps back the weights as they were at sleep, so wake loads the copy.
+                   vLLM's CPU build cannot release memory: sleep says so once and does nothing.
     abort          `LLMEngine.abort_request`; `interrupt` returns the tokens accumulated so far.
                    vLLM drops an aborted request's KV; what it keeps is in the prefix cache.
 
