@@ -167,8 +167,9 @@ def save_tiny_model(out: Path, family: str = "llama", seed: int = 0, **overrides
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was (a run seeds before it builds)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Path(out)

@@ -39,3 +39,15 @@ def test_every_shipped_alias_is_named_in_the_model_path_error_and_in_docs_config
         resolve_model_path("no-such-model")
     documented = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
     assert all(repr(alias) in str(caught.value) and f"`{alias}`" in documented for alias in ALIASES)
+
+
+def test_building_an_alias_leaves_the_callers_random_state(tmp_path):
+    """A rank seeds, then builds the alias it runs on if no other run has: the build must not reseed
+    the rank (it did: the vLLM lane's first run then drew other LoRA weights than its resumed twin)."""
+    import torch
+
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    save_tiny_model(tmp_path / "alias", head_dim=32)
+    assert torch.equal(torch.rand(4), expected)
