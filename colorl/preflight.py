@@ -85,16 +85,19 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     `here`: the run would start on this machine. A config for another machine (`--dry-run` of an
     8-GPU config on a laptop) skips the memory plan, and a hub model this machine cannot reach
     skips the model checks, each with a warning."""
+    from transformers import AutoConfig
+
     from colorl.config import ConfigError
+    from colorl.engines import engine_class
     from colorl.models import (
-        SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFound, cache_root, context_length, encode_chat, is_hub_id,
-        load_tokenizer, resolve_model_path,
+        ALIASES, ModelNotFound, cache_root, context_length, encode_chat, is_hub_id, load_tokenizer,
+        resolve_model_path,
     )
     from colorl.tasks import build_task
 
     check_user_code(cfg)
     cached = cache_root() / "models" / cfg.model.path
-    building = cfg.model.path in (SMOLLM2_ALIAS, TINY_ALIAS) and not (cached / "config.json").is_file()
+    building = cfg.model.path in ALIASES and not (cached / "config.json").is_file()
     if building:
         print(f"preparing {cfg.model.path} once: writing a Hugging Face folder to {cached} ...", flush=True)
     started = time.perf_counter()
@@ -106,6 +109,9 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
         raise ConfigError(str(exc)) from None
     if building:
         print(f"prepared {cfg.model.path} in {time.perf_counter() - started:.0f} s (later runs reuse it)", flush=True)
+    refusal = engine_class(cfg.rollout.engine).model_refusal(AutoConfig.from_pretrained(model_dir), device)
+    if refusal:
+        raise ConfigError(f"model.path={cfg.model.path!r}: {refusal}")
     task = build_task(cfg.task, cfg.run.seed)
     problems = [task.train_problem(i) for i in range(PROMPTS_CHECKED)] + task.eval_problems(cfg.run.eval_prompts)
     tokenizer = load_tokenizer(model_dir)

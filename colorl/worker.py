@@ -4,6 +4,7 @@ Everything a mode needs is gathered in `RankContext`, so a mode's loop reads as 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,8 +17,9 @@ import torch.distributed as dist
 
 from colorl import distributed, faults
 from colorl.config import Config, dump_config
-from colorl.engines import build_engine
+from colorl.engines import build_engine, engine_class
 from colorl.engines.base import Engine
+from colorl.engines.engine_log import EngineLog
 from colorl.evaluate import EvalResult, evaluate
 from colorl.files import write_atomic
 from colorl.metrics.display import Display
@@ -28,6 +30,7 @@ from colorl.models import context_length, encode_chat, eos_token_ids, load_token
 from colorl.staleness.live import predicted_staleness_for
 from colorl.tasks import Task, build_task
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
+from colorl.threads import pinned
 from colorl.train.checkpoint import (
     TrainerState, drop_older_optimizer_states, latest_step, load_checkpoint, prune_checkpoints, read_rank_file,
     save_checkpoint,
@@ -211,13 +214,8 @@ class RankContext:
         return json.loads(text) if text is not None else None
 
     def core_share(self) -> CoreShare:
-        """How bounded-lag mode's two loops share this rank's cores while both work: the configured
-        threads, by default half each (bench/threads.py measured the alternatives)."""
-        budget = self.rank_threads
-        launch = self.cfg.launch
-        rollout = launch.rollout_threads or max(1, budget // 2)
-        train = launch.train_threads or max(1, budget - rollout)
-        return CoreShare(budget, rollout, train)
+        """How bounded-lag mode's two loops share this rank's cores while both work."""
+        return CoreShare.of_rank(self.cfg.launch, self.rank_threads)
 
 
 class StopRequest:
@@ -275,7 +273,15 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})
     engine_dtype = DTYPES[cfg.engine.dtype or cfg.model.dtype]  # the checkpoint engine casts to it
-    engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, engine_dtype)
+    engine_cls = engine_class(cfg.rollout.engine)
+    threads = torch.get_num_threads()
+    if cfg.mode == "bounded_lag" and engine_cls.keeps_build_threads:
+        threads = CoreShare.of_rank(cfg.launch, threads).rollout  # it keeps the rollout loop's share
+    engine_log = EngineLog.of_run(run_dir, rank)
+    with pinned(threads), engine_log.capturing() if engine_cls.log_names else contextlib.nullcontext():
+        engine = build_engine(cfg.rollout.engine, model_dir, engine_cfg, device, engine_dtype)
+    if engine_cls.log_names:
+        engine_log.route(engine_cls.log_names)
     from colorl.sync.checkpoint_engine import CheckpointEngine
 
     weight_sync = CheckpointEngine(trainer.model, engine, cfg.sync, cfg.model.lora)

@@ -244,3 +244,29 @@ def test_shipped_gpu_examples_plan_offline(path, capsys, monkeypatch):
     assert main(["plan", path, "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "\nfits: " in out and "engine KV cache" in out
+
+
+def _with_vllm(cfg):
+    """The same config with rollout.engine=vllm (built past validation, which wants vLLM installed here)."""
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})
+
+
+def test_vllm_takes_its_fraction_of_the_whole_device_and_colorl_keeps_a_staging_copy():
+    """vLLM 0.32: a budget of f·M of the device, all free at its start; its KV pool is what its weights
+    leave of the budget; colorl's checkpoint-format copy of the engine's weights is resident throughout."""
+    arch = Architecture.from_hf_config(hf(QWEN25_1_5B))
+    cfg = _with_vllm(gpu_config())
+    plan = plan_memory(cfg, arch, 80 * GiB, 200)
+    engine_weights = plan.lines["engine weights"].bytes
+    assert plan.lines["engine KV cache"].bytes == int(cfg.engine.memory_fraction * 80 * GiB) - engine_weights
+    assert plan.lines["engine staging copy"].bytes == engine_weights
+    assert all("engine staging copy" in phase.parts for phase in plan.phases)
+    assert plan_memory(gpu_config(), arch, 80 * GiB, 200).lines["engine staging copy"].bytes == 0  # native
+
+
+def test_a_vllm_budget_that_leaves_no_room_names_engine_memory_fraction():
+    arch = Architecture.from_hf_config(hf(QWEN25_7B))
+    full = gpu_config("configs/gpu8-qwen2.5-7b-lora.yaml", "model.lora=null", "train.offload_optimizer=true",
+                      "engine.memory_fraction=0.9")
+    plan = plan_with_advice(_with_vllm(full), arch, 80 * GiB, 200)
+    assert not plan.fits and "engine.memory_fraction=" in plan.verdict(), plan.render()

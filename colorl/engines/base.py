@@ -95,6 +95,18 @@ class Engine(ABC):
     version: int = 0
     # In-flight sequences continue on their KV cache across `update_weights` (partial rollout "keep").
     keeps_kv_across_updates: bool = False
+    # Every step runs with the thread count the engine was built with (vLLM's CPU attention), so in
+    # bounded-lag mode the worker builds it with the rollout loop's share of the cores.
+    keeps_build_threads: bool = False
+    # The loggers of the library behind the engine: their records go to RUN_DIR/engine.log, and the
+    # engine's start-up output with them (colorl/engines/engine_log.py).
+    log_names: tuple[str, ...] = ()
+
+    @classmethod
+    def model_refusal(cls, hf_config, device: str) -> str | None:
+        """Why this engine cannot serve a model with this Hugging Face config on `device` (one line
+        for the user, checked before launch), or None."""
+        return None
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...

@@ -39,14 +39,27 @@ verbs map:
                    be running then and vLLM resets it only when none is, so prefix caching is off
                    there (no new request starts from prompt KV of an older version).
     sleep / wake   CUDA: `sleep(level)` (1: weights to host, KV dropped; 2: both dropped; the
-                   weights come back from the copy here on wake) / `wake_up()`. vLLM's CPU build
-                   cannot release memory: sleep says so once and does nothing.
+                   weights come back from the copy here on wake) / `wake_up()`. A sync while
+                   asleep only writes the copy: vLLM's weights are unmapped then, and a level-1
+                   wake maps back the weights as they were at sleep, so wake loads the copy.
+                   vLLM's CPU build cannot release memory: sleep says so once and does nothing.
     abort          `LLMEngine.abort_request`; `interrupt` returns the tokens accumulated so far.
                    vLLM drops an aborted request's KV; what it keeps is in the prefix cache.
+
+    threads        every step runs with the team size of the thread that built the engine
+                   (colorl/threads.py `pinned`): vLLM's CPU attention plans a step's work for
+                   `omp_get_max_threads()` when it builds the step's metadata and refuses to run
+                   it with another (cpu_attn_impl.hpp, `input->metadata->thread_num ==
+                   thread_num`), and a thread's first torch parallel region resets that thread's
+                   count to torch's process-wide one: in a new thread (bounded-lag's rollout
+                   loop) the count changed inside the first step. The rollout loop's share of the
+                   cores is therefore fixed for vLLM: the worker builds it with that share.
 
 CPU needs: head sizes 32, 64, 80, 96, ... (vLLM's CPU attention refuses 16), and KV blocks that
 are multiples of 32 (vLLM picks its own block size; `engine.block_size` is not used).
 `enforce_eager=True` on CPU (start-up in seconds instead of ~90 s of torch.compile warm-up).
+CUDA: each rank's engine on the rank's own device (`_executor_on`), async scheduling off in
+bounded-lag (a step's tokens were computed by the version in force during that step).
 """
 from __future__ import annotations
 
@@ -60,12 +73,14 @@ from typing import Iterable, Mapping
 import torch
 
 from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.threads import pinned
 
 VLLM_VERSION = "0.32.0"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 CPU_KV_BYTES_PER_BLOCK = 1 << 20  # on CPU the KV pool is sized in bytes: engine.num_blocks MiB, else
 CPU_KV_DEFAULT_BYTES = 1 << 30  # 1 GiB (vLLM's CPU default is 4 GiB per engine)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # CPUAttentionBackend.get_supported_head_sizes
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +114,8 @@ class VLLMEngine(Engine):
     max_num_seqs, max_prefill_tokens -> max_num_batched_tokens, num_blocks -> the CPU KV pool in MiB)."""
 
     keeps_kv_across_updates = True
+    keeps_build_threads = True
+    log_names = ("vllm", __name__)  # vLLM's log, and the notes here (sleep on CPU)
 
     def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  compile_on_cpu: bool = False):
@@ -122,7 +139,12 @@ class VLLMEngine(Engine):
             max_model_len=min(int(getattr(hf_config, "max_position_embeddings", 4096)), 32768),
         )
         if self._cuda:
-            options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True)
+            # async scheduling (vLLM's default on CUDA) hands a step's output back one step later: a batch
+            # computed before a weight update would come back stamped with the new version. Bounded-lag
+            # updates weights between steps with requests running; colocated mode only between batches.
+            options.update(gpu_memory_utilization=engine_cfg.memory_fraction, enable_sleep_mode=True,
+                           distributed_executor_backend=_executor_on(_device_index(device)),
+                           async_scheduling=not engine_cfg.in_flight_updates)
         else:
             # whole prompts only: a chunked prefill discards its partial step's sampled token and rewinds a
             # seeded request's generator (`set_offset`), which torch's CPU generator refuses (seen with the
@@ -133,6 +155,7 @@ class VLLMEngine(Engine):
                 engine_cfg.num_blocks * CPU_KV_BYTES_PER_BLOCK if engine_cfg.num_blocks else CPU_KV_DEFAULT_BYTES))
         self._llm = LLM(**options)
         self._engine = self._llm.llm_engine
+        self._threads = torch.get_num_threads()  # every step runs with it (see the module docstring)
         self._core = self._engine.engine_core.engine_core  # the in-process EngineCore
         # vLLM's exit-time finalizer tears down its model-parallel groups, built on colorl's process
         # group, which the run has destroyed by then (it fails with "Invalid process group"): the
@@ -155,6 +178,19 @@ class VLLMEngine(Engine):
         self._said_cpu_sleep = False
         self._finished = 0
         self._tokens, self._seconds = 0, 0.0
+
+    @classmethod
+    def model_refusal(cls, hf_config, device: str) -> str | None:
+        """vLLM's CPU attention refuses other head sizes at start-up (`Unsupported CPU attention
+        configuration`); on CUDA its attention backends take the models colorl trains."""
+        from colorl.models import SMOLLM2_ALIAS, TINY_HD32_ALIAS, head_dim
+
+        size = head_dim(hf_config)
+        if torch.device(device).type != "cpu" or size in CPU_HEAD_SIZES:
+            return None
+        return (f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {', '.join(map(str, CPU_HEAD_SIZES))} "
+                f"and this model has head_dim {size}; use model.path={TINY_HD32_ALIAS} (tiny) or {SMOLLM2_ALIAS}, "
+                f"or rollout.engine=native")
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -190,7 +226,8 @@ class VLLMEngine(Engine):
             return finished
         self._reload_if_dirty()
         start = time.perf_counter()
-        outputs = self._engine.step()
+        with pinned(self._threads):
+            outputs = self._engine.step()
         self._seconds += time.perf_counter() - start
         for out in outputs:
             live = self._live.get(out.request_id)
@@ -253,7 +290,7 @@ class VLLMEngine(Engine):
         self._core.set_weight_version(str(value))
 
     def _reload_if_dirty(self) -> None:
-        if not self._dirty or self._asleep >= 2:
+        if not self._dirty or self._asleep:  # asleep, vLLM's weights are on the host (1) or gone (2): wake reloads
             return
         running = bool(self._live)
         if running:
@@ -286,10 +323,10 @@ class VLLMEngine(Engine):
         if not self._asleep:
             return
         level, self._asleep = self._asleep, 0
-        self._llm.wake_up()
+        self._llm.wake_up()  # level 1: vLLM maps back the weights it offloaded, as they were at sleep
         if level >= 2:  # vLLM dropped its weights: they come back from the copy
             self._dirty = True
-        self._reload_if_dirty()
+        self._reload_if_dirty()  # and a sync that came in while asleep is loaded now
 
     def stats(self) -> EngineStats:
         scheduler = self._core.scheduler
@@ -302,6 +339,27 @@ class VLLMEngine(Engine):
 
     def shutdown(self) -> None:
         self._engine.engine_core.shutdown()
+
+
+def _device_index(device: str) -> int:
+    """The CUDA device this rank's engine belongs on: the one named, else the rank's current one."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _executor_on(index: int):
+    """vLLM's in-process executor, on CUDA device `index`. Its own takes the device index from
+    `device_config.device`, which vLLM builds as plain "cuda", so every rank's engine would go to
+    device 0 and switch the rank's current device there (uniproc_executor.py `_distributed_args`,
+    gpu_worker.py `init_device`)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class UniProcExecutorOnDevice(UniProcExecutor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init_method, rank, _ = super()._distributed_args()
+            return init_method, rank, index
+
+    return UniProcExecutorOnDevice
 
 
 def _repack_vocab_layers(model) -> None:

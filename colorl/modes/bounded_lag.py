@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-
 from colorl import faults
 from colorl.buffer import make_buffer
 from colorl.modes.cores import follow_in_training
 from colorl.modes.step_metrics import StepTimes, step_record
 from colorl.rollout.producer import RolloutProducer
+from colorl.threads import set_threads
 from colorl.train.batch import build_batch
 
 
@@ -61,7 +60,7 @@ def run_bounded_lag(ctx, stop) -> None:
             faults.point("train", ctx.state.step + 1)
             started = time.perf_counter()
             batch = build_batch(groups, cfg.loss.std_norm, ctx.tokenizer.pad_token_id)
-            torch.set_num_threads(cores.train_threads())  # then again at each decoder layer
+            set_threads(cores.train_threads())  # then again at each decoder layer
             train_stats = trainer.train_step(batch)
             trainer.offload()
             times.train = time.perf_counter() - started

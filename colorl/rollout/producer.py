@@ -37,6 +37,7 @@ from colorl.rollout.collect import step_requests
 from colorl.rollout.episodes import Rollouts, sample_rewards
 from colorl.rollout.types import Group, RolloutWindow
 from colorl.tasks.base import Problem
+from colorl.threads import set_threads
 
 if TYPE_CHECKING:
     from colorl.modes.cores import CoreShare
@@ -256,7 +257,7 @@ class RolloutProducer:
             self._publish_status()
             return
         faults.point("rollout", self.ctx.state.step + 1)
-        torch.set_num_threads(self.cores.rollout_threads())  # per thread: the trainer sets its own
+        set_threads(self.cores.rollout_threads())  # per thread: the trainer sets its own
         results = self.rollouts.step()
         env_wait = self.rollouts.take_env_wait_s()  # the engine had nothing to decode: episodes on their tools
         self._window.env_wait_s += env_wait

@@ -2,6 +2,10 @@
 generation, behaviour log-probs, weight updates, partial rollout (keep and recompute)."""
 from __future__ import annotations
 
+import ctypes
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from colorl.config import EngineConfig  # noqa: E402
 from colorl.engines import build_engine  # noqa: E402
 from colorl.engines.base import GenerationRequest, SamplingParams  # noqa: E402
 from colorl.models import load_model, save_tiny_model  # noqa: E402
+from colorl.threads import pinned, set_threads  # noqa: E402
 
 MAX_NEW = 12
 
@@ -124,3 +129,144 @@ def test_sleep_on_cpu_keeps_serving(engine):
     engine.wake()
     (r,) = engine.generate(requests(1, 1.0, "woken"))
     assert len(r.output_ids) == MAX_NEW
+
+
+def _openmp() -> ctypes.CDLL:
+    """torch's OpenMP runtime, which vLLM's kernels share (they link libtorch_cpu)."""
+    (library,) = (Path(torch.__file__).parent / "lib").glob("libgomp*.so*")
+    return ctypes.CDLL(str(library))
+
+
+def _in_new_thread(work) -> None:
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def test_every_step_runs_with_the_team_size_the_engine_was_built_with(model_dir, monkeypatch):
+    """vLLM's CPU attention plans a step for the thread's OpenMP team size when it builds the step's
+    metadata and refuses (cpu_attn_impl.hpp) to run with another; the kernel that checks depends on
+    the CPU, so the team size is recorded here at both points on every CPU and must be the one the
+    engine was built with: in a new thread whose OpenMP default differs from torch's count (its first
+    torch parallel region changes it mid-step: bounded-lag's rollout loop), and in a thread whose
+    count changes between steps (bounded-lag's core share)."""
+    from vllm import _custom_ops as ops
+
+    omp = _openmp()
+    seen: list[tuple[str, int]] = []
+
+    def recording(name, kernel):
+        def call(*args, **kwargs):
+            seen.append((name, omp.omp_get_max_threads()))
+            return kernel(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ops, "cpu_attn_get_scheduler_metadata", recording("metadata", ops.cpu_attn_get_scheduler_metadata))
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", recording("attention", ops.cpu_attention_with_kv_cache))
+    with pinned(1):
+        engine = build_engine("vllm", model_dir, EngineConfig(max_num_seqs=4, num_blocks=64))
+    fresh: list[int] = []
+    _in_new_thread(lambda: fresh.append(omp.omp_get_max_threads()))
+    process_wide = torch.get_num_threads()
+    set_threads(fresh[0] + 1)  # torch's count now differs from a new thread's OpenMP default
+    try:
+        _in_new_thread(lambda: engine.generate(requests(2, 1.0, "fresh")))
+
+        def changing_between_steps():
+            for r in requests(2, 1.0, "shared"):
+                engine.add(r)
+            for count in (2, 3, 2, 3):
+                set_threads(count)
+                engine.step()
+        _in_new_thread(changing_between_steps)
+    finally:
+        set_threads(process_wide)
+        engine.shutdown()
+    assert {name for name, _ in seen} == {"metadata", "attention"}
+    assert {count for _, count in seen} == {1}, seen
+
+
+class CudaSleepDouble:
+    """vLLM 0.32's sleep mode on CUDA (CuMemAllocator, gpu_worker.py `sleep` / `wake_up`) over the real
+    CPU engine's model: sleep(1) copies the weights to the host and unmaps their device memory, sleep(2)
+    drops them; while asleep a load into them fails (the memory is not mapped); wake_up maps the memory
+    back and, at level 1, copies back what was offloaded."""
+
+    def __init__(self, llm):
+        (self.weights,) = llm.apply_model(lambda model: dict(model.named_parameters()))  # one worker, live tensors
+        self.level, self.offloaded = 0, {}
+        self.reload = llm.llm_engine.collective_rpc
+
+    def sleep(self, level: int = 1) -> None:
+        if level == 1:
+            self.offloaded = {name: p.detach().clone() for name, p in self.weights.items()}
+        with torch.no_grad():
+            for p in self.weights.values():
+                p.fill_(float("nan"))  # unmapped: what a kernel would read is not the weights
+        self.level = level
+
+    def wake_up(self) -> None:
+        with torch.no_grad():
+            for name, value in self.offloaded.items():
+                self.weights[name].copy_(value)
+        self.level, self.offloaded = 0, {}
+
+    def collective_rpc(self, method, *args, **kwargs):
+        if self.level:
+            raise RuntimeError(f"CUDA error: an illegal memory access ({method} into unmapped weights, sleep level "
+                               f"{self.level})")
+        return self.reload(method, *args, **kwargs)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sync_while_asleep_is_served_after_wake_at_either_level(model_dir, monkeypatch, level):
+    """The colocated cycle on CUDA: sleep, train, sync into the sleeping engine, wake, generate: the
+    woken engine serves the synced weights (checked against the model, teacher-forced)."""
+    engine = build_engine("vllm", model_dir, EngineConfig(max_num_seqs=4, num_blocks=64))
+    double = CudaSleepDouble(engine._llm)
+    monkeypatch.setattr(engine, "_cuda", True)  # the CUDA branch of sleep / wake over the CPU build
+    monkeypatch.setattr(engine._llm, "sleep", double.sleep)
+    monkeypatch.setattr(engine._llm, "wake_up", double.wake_up)
+    monkeypatch.setattr(engine._engine, "collective_rpc", double.collective_rpc)
+    model = load_model(model_dir).eval()
+    try:
+        engine.sleep(level)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.mul_(1.5)
+                engine.named_weights()[name].copy_(p)
+        engine.version = engine.version + 1
+        engine.wake()
+        (r,) = engine.generate(requests(1, 1.0, f"woken{level}"))
+    finally:
+        engine.shutdown()
+    assert r.versions == [engine.version] * MAX_NEW
+    torch.testing.assert_close(torch.tensor(r.logprobs), teacher_forced(model, r.prompt_ids, r.output_ids, 1.0),
+                               atol=2e-4, rtol=0)
+
+
+def test_each_ranks_cuda_engine_is_built_on_the_ranks_device():
+    """vLLM's in-process executor reads its device index from `device_config.device`, which vLLM makes
+    plain "cuda": index 0 for every rank. colorl's executor gives vLLM the rank's device."""
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from colorl.engines.vllm import _executor_on
+
+    config = SimpleNamespace(device_config=SimpleNamespace(device=torch.device("cuda")))
+    theirs, ours = UniProcExecutor.__new__(UniProcExecutor), _executor_on(3)
+    ours = ours.__new__(ours)
+    theirs.vllm_config = ours.vllm_config = config
+    assert theirs._distributed_args()[2] == 0  # what vLLM does with "cuda" on every rank
+    assert ours._distributed_args()[2] == 3

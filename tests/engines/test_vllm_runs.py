@@ -3,6 +3,8 @@ modes, LoRA, eval, resume, with the checkpoint engine's bit-exact check after ev
 doctor's rank function), on the tiny model with head_dim 32 (vLLM's CPU attention refuses 16)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ pytest.importorskip("vllm", reason="vllm is not importable here (it runs in its 
 
 from colorl.cli import main  # noqa: E402
 from colorl.doctor import checked_rank  # noqa: E402
+from colorl.models import TINY_HD32_ALIAS, resolve_model_path  # noqa: E402
 from checked_runs import checked_run as run_checked, metrics, weights  # noqa: E402  (tests/helpers)
 
 BASE = ["rollout.engine=vllm", "model.path=tiny-random-llama-hd32", "task.reward=reward_fns:long_is_right",
@@ -19,6 +22,7 @@ BASE = ["rollout.engine=vllm", "model.path=tiny-random-llama-hd32", "task.reward
 LORA = "model.lora={r: 4, alpha: 8}"
 RESUMABLE = ["run.steps=3", "run.save_every=2", "run.optimizer_state=all"]
 HELPERS = str(Path(__file__).parents[1] / "helpers")
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -71,11 +75,48 @@ def test_colocated_world_size_2(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts(tmp_path, capsys):
-    """`colorl doctor` on CPU adds the vllm cases where vLLM is installed, on the tiny model with head_dim 32."""
+def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts_on_a_quiet_screen(tmp_path, capfd):
+    """`colorl doctor` on CPU adds the vllm cases where vLLM is installed, on the tiny model with head_dim 32;
+    the screen (the ranks' file descriptors included) holds only the doctor's own lines."""
     cases = ["vllm/colocated/sleep2/lora", "vllm/bounded_lag/full"]
+    resolve_model_path(TINY_HD32_ALIAS)  # built before: the doctor does not print its preparation
+    capfd.readouterr()
     code = main(["doctor", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "d"),
                  *[a for c in cases for a in ("--case", c)]])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
     assert all(f"PASS  {case} " in out for case in cases), out
+    # the doctor's verdicts and, indented under each, its memory per phase
+    assert all(line.startswith(("colorl doctor:", "PASS  ", "    after ")) for line in (out + err).splitlines()), out + err
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
+def test_a_model_vllm_refuses_on_cpu_is_refused_before_launch_in_one_line(tmp_path, capsys, dry_run):
+    args = ["train", "configs/tiny.yaml", "--set", "rollout.engine=vllm", "--set", "launch.device=cpu",
+            "--run-dir", str(tmp_path / "run"), *(["--dry-run"] if dry_run else [])]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim 16" in err[0] and "model.path=tiny-random-llama-hd32" in err[0], err
+    assert not (tmp_path / "run").exists()  # nothing launched
+
+
+def _screen(engine: str, run_dir: Path) -> list[str]:
+    """Every line `colorl train` puts on the terminal (stdout, then stderr; the ranks write to both)."""
+    sets = [f"rollout.engine={engine}", f"model.path={TINY_HD32_ALIAS}", "run.steps=2", "launch.device=cpu"]
+    done = subprocess.run([sys.executable, "-m", "colorl", "train", "configs/tiny.yaml",
+                           *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return (done.stdout + done.stderr).splitlines()
+
+
+@pytest.mark.timeout(900)
+def test_the_screen_of_a_vllm_run_has_the_native_runs_lines_and_vllms_output_is_in_engine_log(tmp_path):
+    """vLLM's log, its start-up's C++ warnings and progress bar, and its libraries' output at exit go to
+    RUN_DIR/engine.log: the screen holds exactly the lines of the same run with the native engine."""
+    resolve_model_path(TINY_HD32_ALIAS)  # built once before: neither run prints its preparation
+    native, vllm = _screen("native", tmp_path / "native"), _screen("vllm", tmp_path / "vllm")
+    shape = [line.split(" ")[0][:4] for line in native]
+    assert [line.split(" ")[0][:4] for line in vllm] == shape, "\n".join(vllm)
+    log = (tmp_path / "vllm" / "engine.log").read_text(encoding="utf-8")
+    assert "Reloading weights inplace" in log and "rank 0 " in log  # vLLM's INFO records, through colorl's handler

@@ -11,6 +11,7 @@ import torch
 from colorl.config import load_config
 from colorl.distributed import run_world
 from colorl.modes.cores import CoreShare, follow_in_training
+from colorl.threads import set_threads
 
 HELPERS = str(Path(__file__).parents[1] / "helpers")
 ROOT = Path(__file__).parents[2]
@@ -37,10 +38,16 @@ def _probe_layers(model, seen: list) -> None:
         layer.register_forward_hook(after_forward)
 
 
-def _flip_between_forward_and_backward(rank, world, cfg_dict, run_dir, out_file):
+def _skip_set_num_threads(count: int) -> None:
+    """What vLLM's CPU worker puts in place of `torch.set_num_threads` once it starts (it only warns)."""
+
+
+def _flip_between_forward_and_backward(rank, world, cfg_dict, run_dir, out_file, vllm_started):
     from rank_context import fresh_rank_context
 
     ctx = fresh_rank_context(rank, world, cfg_dict, run_dir)
+    if vllm_started:
+        torch.set_num_threads = _skip_set_num_threads
     model = ctx.trainer.model  # FSDP2-wrapped, as bounded-lag trains it
     share = CoreShare(budget=2, rollout=1, train=1)
     follow_in_training(model, share)
@@ -50,7 +57,7 @@ def _flip_between_forward_and_backward(rank, world, cfg_dict, run_dir, out_file)
     packed = {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]), "cu_seq_lens_q": torch.tensor([0, 3, 6]),
               "cu_seq_lens_k": torch.tensor([0, 3, 6]), "max_length_q": 3, "max_length_k": 3}  # two sequences
     for idle_in_forward in (False, True):
-        torch.set_num_threads(1)
+        set_threads(1)
         share.rollout_idle = idle_in_forward
         loss = model(input_ids=ids, **packed).logits.float().mean()
         share.rollout_idle = not idle_in_forward  # the engine starts or stops between the passes
@@ -59,11 +66,12 @@ def _flip_between_forward_and_backward(rank, world, cfg_dict, run_dir, out_file)
 
 
 @pytest.mark.timeout(120)
-def test_trainer_threads_follow_the_engine_at_every_layer_forward_and_backward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("vllm_started", [False, True], ids=["torch", "after-vllm-replaced-set_num_threads"])
+def test_trainer_threads_follow_the_engine_at_every_layer_forward_and_backward(tmp_path, monkeypatch, vllm_started):
     monkeypatch.syspath_prepend(HELPERS)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", []).model_dump(mode="json")
     out = tmp_path / "seen.json"
-    run_world(_flip_between_forward_and_backward, 1, cfg, str(tmp_path / "run"), str(out))
+    run_world(_flip_between_forward_and_backward, 1, cfg, str(tmp_path / "run"), str(out), vllm_started)
     seen = [tuple(x) for x in json.loads(out.read_text())]
     layers = len(seen) // 4
     assert layers >= 2
