@@ -84,14 +84,15 @@ class MemoryProbe:
 
     def record(self, phase: str) -> None:
         row = {"phase": phase, "rss": _rss(os.getpid()), "children_rss": sum(_rss(p) or 0 for p in _children())}
-        if self.device == "cuda":
+        if self.device.startswith("cuda"):
             import torch
 
-            free, total = torch.cuda.mem_get_info()
-            reserved = torch.cuda.memory_reserved()
-            row.update(allocated=torch.cuda.memory_allocated(), peak_allocated=torch.cuda.max_memory_allocated(),
-                       reserved=reserved, outside_allocator=total - free - reserved)
-            torch.cuda.reset_peak_memory_stats()
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            row.update(allocated=torch.cuda.memory_allocated(self.device), reserved=reserved,
+                       peak_allocated=torch.cuda.max_memory_allocated(self.device),
+                       outside_allocator=total - free - reserved)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.rows.append(row)
 
 
@@ -129,7 +130,7 @@ def checked_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bo
     ctx = build_context(cfg, rank, world, device, Path(run_dir), resume)
     verifier = ctx.weight_sync.enable_verification()
     ctx.display = Display(cfg.run.steps, ctx.state.step, cfg.run.name, enabled=False)  # the doctor prints verdicts
-    probe, current = MemoryProbe(device), ["start"]
+    probe, current = MemoryProbe(ctx.device), ["start"]
 
     def phase(name: str) -> None:  # the display hears of every phase switch: sample memory there
         probe.record(current[0])

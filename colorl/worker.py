@@ -240,6 +240,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
 
 
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
+    device = distributed.rank_device(device)  # "cuda:N" from here on: threads the rank starts use it too
     torch.manual_seed(cfg.run.seed + rank)
     if rank == 0:
         resolve_model_path(cfg.model.path)  # builds a cached alias once, before the others read it
@@ -278,7 +279,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite,
-                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer, context_length(model_dir)),
+                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer, context_length(model_dir),
+                                                        device),
                       resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
+from colorl.distributed import use_device
 from colorl.engines.base import Engine, GenerationRequest, GenerationResult
 from colorl.envs import Conversation, EnvRunner, Environment, GuardedStep, Message, PendingStep, parse_tool_calls
 from colorl.envs.base import EpisodeRecord
@@ -51,16 +52,18 @@ class EpisodeSetup:
     workers: int = 8
     options: dict = field(default_factory=dict)  # task.env_options, the constructor's keyword arguments
     context: int | None = None  # the model's context: a turn whose prompt and answer would not fit is not run
+    device: str = "cpu"  # the rank's device, made current in each of the environment pool's threads
 
     @classmethod
-    def from_config(cls, task_cfg, rollout_cfg, tokenizer, context: int | None = None) -> EpisodeSetup | None:
+    def from_config(cls, task_cfg, rollout_cfg, tokenizer, context: int | None = None,
+                    device: str = "cpu") -> EpisodeSetup | None:
         if not task_cfg.env:
             return None
         from colorl.envs import resolve_env
 
         return cls(resolve_env(task_cfg.env), tokenizer, task_cfg.max_turns,
                    task_cfg.turn_tokens or rollout_cfg.max_new_tokens, task_cfg.episode_tokens,
-                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options), context)
+                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options), context, device)
 
 
 @dataclass
@@ -184,7 +187,7 @@ class Rollouts:
     # ------------------------------------------------------------------ episodes
     def _pool(self) -> EnvRunner:
         if self._runner is None:
-            self._runner = EnvRunner(self.setup.workers)
+            self._runner = EnvRunner(self.setup.workers, functools.partial(use_device, self.setup.device))
         return self._runner
 
     def _waiting(self) -> bool:
