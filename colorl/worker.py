@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from colorl import distributed, faults
 from colorl.config import Config, dump_config
-from colorl.engines import build_engine
+from colorl.engines import build_engine, engine_class
 from colorl.engines.base import Engine
 from colorl.evaluate import EvalResult, evaluate
 from colorl.files import write_atomic
@@ -241,6 +241,8 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
 
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
     device = distributed.rank_device(device)  # "cuda:N" from here on: threads the rank starts use it too
+    for key, value in engine_class(cfg.rollout.engine).process_env.items():  # a user's setting wins
+        os.environ.setdefault(key, value)
     torch.manual_seed(cfg.run.seed + rank)
     if rank == 0:
         resolve_model_path(cfg.model.path)  # builds a cached alias once, before the others read it
@@ -255,6 +257,10 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     else:
         reward_fn = task.reward
     trainer = PolicyTrainer(model_dir, cfg, device, dtype)
+    # the unsharded model went through the device before FSDP2 sharded it; its blocks stay in this
+    # process's cache until handed back, and an engine that sizes its KV pool from the free memory
+    # (SGLang, in its own process) would lose them: give them back first, as `colorl plan` assumes
+    distributed.release_cached_device_memory(device)
     # C = rollout.concurrency counts sequences in flight over all ranks; each engine takes its share
     per_rank_concurrency = -(-cfg.rollout.concurrency // world)
     backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.engine.sleep_level == 2)
@@ -285,7 +291,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
-              f"resume={resume} sync={weight_sync.transport}", all_ranks=True)
+              f"resume={resume} sync={weight_sync.transport} attention={trainer.attention}", all_ranks=True)
     return ctx
 
 

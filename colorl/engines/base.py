@@ -87,6 +87,9 @@ class Engine(ABC):
     version: int = 0
     # In-flight sequences continue on their KV cache across `update_weights` (partial rollout "keep").
     keeps_kv_across_updates: bool = False
+    # environment the engine sets in the rank's own process when it starts; the rank sets it first,
+    # before its first collective, so every NCCL communicator of the rank is made under it
+    process_env: Mapping[str, str] = {}
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> None: ...
