@@ -22,8 +22,25 @@ def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu
     # metrics and stop flags are small CPU tensors: gloo carries those, nccl the model's
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        use_device(f"cuda:{rank % torch.cuda.device_count()}")
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def rank_device(device: str) -> str:
+    """The rank's device by name: "cuda" becomes "cuda:N", N the device the launcher selected for
+    this rank on its main thread. A bare "cuda" means device 0 in any other thread (the current
+    device is per thread), so nothing past the launcher names one."""
+    if device == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def use_device(device: str) -> None:
+    """Make the rank's device current in the calling thread: the first thing every thread a rank
+    starts does (a new thread's current device is 0, so its streams, events, memory queries and
+    "cuda" tensors would land on GPU 0, and it would open a CUDA context there)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def rank() -> int:

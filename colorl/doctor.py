@@ -8,8 +8,9 @@ engine, colocated × `engine.sleep_level` 1, 2 × LoRA off, on, and bounded-lag 
 (bounded-lag never sleeps its engine). A held-out eval runs after every step, so the wake/sleep
 around it is exercised too.
 
-With CUDA, CONFIG's model, dtype, engine and rank count are checked (configs/gpu-smoke.yaml is a
-small one). Without CUDA the same cases run with the CPU engines (native, hf) on the tiny random
+With CUDA, CONFIG's model, dtype and engine are checked on every GPU (one rank each, `--nproc` to
+change), with two more cases per engine: bf16 mixed precision with the optimizer offloaded, and
+LoRA on a bf16 base (configs/gpu-smoke.yaml is a small model). Without CUDA the same cases run with the CPU engines (native, hf) on the tiny random
 model, in a few minutes. Memory is sampled at each phase switch of the trainer's loop: torch's
 allocated / peak / reserved bytes on CUDA, the device memory held outside this process's
 allocator (the SGLang scheduler process, CUDA contexts), and the resident memory of the rank
@@ -52,15 +53,18 @@ class Case:
     mode: str  # "colocated" | "bounded_lag"
     sleep_level: int | None  # None in bounded-lag: its engine never sleeps
     lora: bool
+    variant: str = ""  # a GPU_VARIANTS key: settings a GPU run takes on top
 
     @property
     def name(self) -> str:
         sleep = f"/sleep{self.sleep_level}" if self.sleep_level else ""
-        return f"{self.engine}/{self.mode}{sleep}/{'lora' if self.lora else 'full'}"
+        variant = f"-{self.variant}" if self.variant else ""
+        return f"{self.engine}/{self.mode}{sleep}/{'lora' if self.lora else 'full'}{variant}"
 
     def settings(self, lora: str, keeps_kv: bool) -> list[str]:
         """Config overrides of this case (`lora`: the adapter settings when it is on)."""
-        sets = [f"rollout.engine={self.engine}", f"mode={self.mode}", f"model.lora={lora if self.lora else 'null'}"]
+        sets = [f"rollout.engine={self.engine}", f"mode={self.mode}", f"model.lora={lora if self.lora else 'null'}",
+                *GPU_VARIANTS.get(self.variant, ())]
         if self.sleep_level:
             sets.append(f"engine.sleep_level={self.sleep_level}")
         else:  # an engine that cannot keep its KV across an update re-prefills in-flight samples
@@ -68,9 +72,19 @@ class Case:
         return sets
 
 
-def cases_for(engines) -> list[Case]:
-    return [Case(engine, "colocated", level, lora) for engine in engines for level in (1, 2) for lora in (False, True)] + \
-           [Case(engine, "bounded_lag", None, lora) for engine in engines for lora in (False, True)]
+# what a GPU run uses that the matrix's cases leave at the config's values: bf16 mixed precision over
+# float32 master weights with the optimizer state offloaded between steps, and LoRA on a bf16 base
+GPU_VARIANTS = {"bf16-offload": ("train.mixed_precision=bfloat16", "train.offload_optimizer=true"),
+                "bf16-base": ("model.dtype=bfloat16", "engine.dtype=bfloat16")}
+
+
+def cases_for(engines, gpu: bool = False) -> list[Case]:
+    """Every mode x sleep level x LoRA setting per engine; on a GPU also the GPU_VARIANTS."""
+    matrix = [Case(e, "colocated", level, lora) for e in engines for level in (1, 2) for lora in (False, True)] + \
+             [Case(e, "bounded_lag", None, lora) for e in engines for lora in (False, True)]
+    variants = [Case(e, "colocated", 1, False, "bf16-offload") for e in engines] + \
+               [Case(e, "colocated", 1, True, "bf16-base") for e in engines]
+    return matrix + (variants if gpu else [])
 
 
 # -- inside each rank ------------------------------------------------------------------------------
@@ -84,14 +98,15 @@ class MemoryProbe:
 
     def record(self, phase: str) -> None:
         row = {"phase": phase, "rss": _rss(os.getpid()), "children_rss": sum(_rss(p) or 0 for p in _children())}
-        if self.device == "cuda":
+        if self.device.startswith("cuda"):
             import torch
 
-            free, total = torch.cuda.mem_get_info()
-            reserved = torch.cuda.memory_reserved()
-            row.update(allocated=torch.cuda.memory_allocated(), peak_allocated=torch.cuda.max_memory_allocated(),
-                       reserved=reserved, outside_allocator=total - free - reserved)
-            torch.cuda.reset_peak_memory_stats()
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            row.update(allocated=torch.cuda.memory_allocated(self.device), reserved=reserved,
+                       peak_allocated=torch.cuda.max_memory_allocated(self.device),
+                       outside_allocator=total - free - reserved)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.rows.append(row)
 
 
@@ -129,7 +144,7 @@ def checked_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bo
     ctx = build_context(cfg, rank, world, device, Path(run_dir), resume)
     verifier = ctx.weight_sync.enable_verification()
     ctx.display = Display(cfg.run.steps, ctx.state.step, cfg.run.name, enabled=False)  # the doctor prints verdicts
-    probe, current = MemoryProbe(device), ["start"]
+    probe, current = MemoryProbe(ctx.device), ["start"]
 
     def phase(name: str) -> None:  # the display hears of every phase switch: sample memory there
         probe.record(current[0])
@@ -271,7 +286,7 @@ def plan_cases(args) -> DoctorPlan:
     common = [f"run.steps={STEPS}", "run.save_every=0", "run.eval_every=1", "task.reward=colorl.doctor:graded_reward",
               f"launch.device={device}"]
     if device == "cuda":
-        nproc = args.nproc or (cfg.launch.nproc if cfg else 1)
+        nproc = args.nproc or torch.cuda.device_count()  # every GPU: NCCL over all of them, an engine on each
         check_devices("cuda", nproc, cfg.rollout.engine if cfg else "native")
         if cfg is None:
             raise ValueError("colorl doctor on a GPU checks a config's model: give one, e.g. configs/gpu-smoke.yaml")
@@ -284,10 +299,10 @@ def plan_cases(args) -> DoctorPlan:
                          f"these are the same cases with the CPU engines on the tiny model")
         nproc, base, engines, lora, config = args.nproc or 2, [*CPU_SETTINGS, *user, *common], cpu_engines(), LORA, None
     base.append(f"rollout.batch_groups={nproc}")
-    cases = [c for c in cases_for(engines) if not args.case or any(fnmatch.fnmatch(c.name, p) for p in args.case)]
+    every = cases_for(engines, gpu=device == "cuda")
+    cases = [c for c in every if not args.case or any(fnmatch.fnmatch(c.name, p) for p in args.case)]
     if not cases:
-        raise ValueError(f"--case {' '.join(args.case)}: no case matches; cases: "
-                         f"{', '.join(c.name for c in cases_for(engines))}")
+        raise ValueError(f"--case {' '.join(args.case)}: no case matches; cases: {', '.join(c.name for c in every)}")
     return DoctorPlan(cases, config, base, lora, device, nproc, notes)
 
 
@@ -360,7 +375,7 @@ def add_doctor_parser(sub) -> None:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     parser.add_argument("--case", action="append", metavar="PATTERN",
                         help="run only the cases matching this pattern, e.g. 'native/colocated/*' (repeatable)")
-    parser.add_argument("--nproc", type=int, help="ranks per case (default: the config's launch.nproc; 2 on CPU)")
+    parser.add_argument("--nproc", type=int, help="ranks per case (default: every GPU; 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="folder for the case runs and doctor.json (default: runs/doctor-TIME)")
     parser.add_argument("--kernels", action="store_true",

@@ -258,7 +258,9 @@ def run_in_place(spot: TorchrunRank, target, device: str, args: tuple, timeout_s
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     if device == "cuda":
-        torch.cuda.set_device(spot.local_rank)
+        from colorl.distributed import use_device
+
+        use_device(f"cuda:{spot.local_rank}")
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:

@@ -41,14 +41,16 @@ Phases (colocated mode; bounded-lag keeps the engine awake while training):
     train    weights + gradients + optimizer + activations + unsharded layers + engine weights
              (sleep level 1; released at level 2) [+ KV cache in bounded-lag mode]
     sync     weights + optimizer (unless offloaded) + engine weights + buckets
-The run fits when the largest phase fits the device; when it does not, the plan names the one
-knob that makes it fit, if one does.
+The run fits when the largest phase fits the device; when it does not, the plan names the fewest
+knobs that make it fit (one, else two or three set together), if any do.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,8 +64,10 @@ SGLANG_RESERVE_BYTES = 1 * GiB  # SGLang's scheduler process: its own context an
 ASSUMED_GPU_BYTES = 80 * GiB
 ASSUMED_PROMPT_TOKENS = 256
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-UNITS = {"": GiB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+UNITS = {"": GiB, "b": 1, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+# "80GB" is how a card is sold, not what torch reports: an 80 GB H100 reports 79.1-79.2 GiB of
+# total memory (the driver keeps the rest), so N GB counts as N GiB less 1.1%
+CARD_GB_REPORTED = 0.989 * GiB
 
 
 class PlanError(ValueError):
@@ -296,56 +300,77 @@ def _with(cfg, section: str, **values):
     return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=values)})
 
 
-def knobs(cfg):
-    """Single changes that lower the peak, most specific first: (description, changed config).
-    Activation checkpointing comes first: where activations are what does not fit, it frees the
-    most for the least (one more forward per step) without changing the batch."""
-    candidates = []
+def _nproc(cfg, nproc: int):
+    groups = cfg.rollout.batch_groups if cfg.rollout.batch_groups % nproc == 0 else nproc
+    return _with(_with(cfg, "launch", nproc=nproc), "rollout", batch_groups=groups)
+
+
+def knobs(cfg) -> list[list[tuple[str, Callable]]]:
+    """The changes that lower the peak, one list per knob, most specific first: (description, a
+    function that applies it to a config). Activation checkpointing comes first: where
+    activations are what does not fit, it frees the most for the least (one more forward per
+    step) without changing the batch."""
+    families = []
     if not cfg.train.activation_checkpointing:
-        candidates.append(("train.activation_checkpointing=true", _with(cfg, "train", activation_checkpointing=True)))
-    budget = cfg.train.max_tokens_per_micro_batch
+        families.append([("train.activation_checkpointing=true",
+                          lambda c: _with(c, "train", activation_checkpointing=True))])
+    budgets, budget = [], cfg.train.max_tokens_per_micro_batch
     while budget > 256:
         budget //= 2
-        candidates.append((f"train.max_tokens_per_micro_batch={budget}",
-                           _with(cfg, "train", max_tokens_per_micro_batch=budget)))
+        budgets.append((f"train.max_tokens_per_micro_batch={budget}",
+                        lambda c, b=budget: _with(c, "train", max_tokens_per_micro_batch=b)))
+    families.append(budgets)
     if not cfg.train.offload_optimizer:
-        candidates.append(("train.offload_optimizer=true", _with(cfg, "train", offload_optimizer=True)))
+        families.append([("train.offload_optimizer=true", lambda c: _with(c, "train", offload_optimizer=True))])
     if cfg.engine.sleep_level == 1 and cfg.mode == "colocated":
-        candidates.append(("engine.sleep_level=2", _with(cfg, "engine", sleep_level=2)))
-    for fraction in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
-        if fraction != cfg.engine.memory_fraction:
-            candidates.append((f"engine.memory_fraction={fraction}", _with(cfg, "engine", memory_fraction=fraction)))
-    nproc = cfg.launch.nproc
+        families.append([("engine.sleep_level=2", lambda c: _with(c, "engine", sleep_level=2))])
+    families.append([(f"engine.memory_fraction={f}", lambda c, f=f: _with(c, "engine", memory_fraction=f))
+                     for f in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2) if f != cfg.engine.memory_fraction])
+    sizes, nproc = [], cfg.launch.nproc
     while nproc < 64:
         nproc *= 2
-        groups = cfg.rollout.batch_groups if cfg.rollout.batch_groups % nproc == 0 else nproc
-        changed = _with(_with(cfg, "launch", nproc=nproc), "rollout", batch_groups=groups)
-        candidates.append((f"launch.nproc={nproc}" + ("" if groups == cfg.rollout.batch_groups
-                                                      else f" with rollout.batch_groups={groups}"), changed))
-    return candidates
+        moved = _nproc(cfg, nproc).rollout.batch_groups != cfg.rollout.batch_groups
+        sizes.append((f"launch.nproc={nproc}" + (f" with rollout.batch_groups={nproc}" if moved else ""),
+                      lambda c, n=nproc: _nproc(c, n)))
+    families.append(sizes)
+    return [family for family in families if family]
 
 
 def plan_with_advice(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) -> MemoryPlan:
+    """The plan; when it does not fit, the advice names the fewest knobs that make it fit (one if
+    one does, else the first pair, else the first three, in `knobs` order)."""
     plan = plan_memory(cfg, arch, device_bytes, prompt_tokens)
     if plan.fits:
         return plan
-    for description, changed in knobs(cfg):
-        other = plan_memory(changed, arch, device_bytes, prompt_tokens)
-        if other.fits:
-            plan.advice = (f"set {description} (then the {other.peak.name} phase needs "
-                           f"{_gib(other.phase_bytes(other.peak))})")
-            return plan
-    plan.advice = "no single knob makes it fit: combine them, use LoRA (model.lora) or a larger device"
+    families = knobs(cfg)
+    for count in range(1, min(3, len(families)) + 1):
+        for chosen in itertools.combinations(families, count):
+            for changes in itertools.product(*chosen):
+                changed = cfg
+                for _, apply in changes:
+                    changed = apply(changed)
+                other = plan_memory(changed, arch, device_bytes, prompt_tokens)
+                if other.fits:
+                    names = " and ".join(description for description, _ in changes)
+                    together = " together" if count > 1 else ""
+                    plan.advice = (f"set {names}{together} (then the {other.peak.name} phase needs "
+                                   f"{_gib(other.phase_bytes(other.peak))})")
+                    return plan
+    instead = "use LoRA (model.lora) or a larger device" if cfg.model.lora is None else "use a larger device"
+    plan.advice = f"no combination of up to three knobs makes it fit: {instead}"
     return plan
 
 
 # -- inputs ----------------------------------------------------------------------------------------
 
 def parse_size(text: str) -> int:
+    """Bytes of one device: exact in B/KiB/MiB/GiB/TiB (a bare number is GiB); in GB, the total
+    memory torch reports for a card sold as that many GB."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise PlanError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 40GB or 24")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    unit = match.group(2).lower() if match else ""
+    if not match or (unit not in UNITS and unit != "gb"):
+        raise PlanError(f"--gpu-memory {text!r}: expected a card's size such as 80GB, or an exact one such as 79.2GiB")
+    return int(float(match.group(1)) * (CARD_GB_REPORTED if unit == "gb" else UNITS[unit]))
 
 
 def device_memory(cfg, requested: str | None) -> tuple[int, str]:
@@ -457,7 +482,9 @@ def add_plan_parser(sub) -> None:
     parser = sub.add_parser("plan", help="memory per device before launch, and whether the run fits")
     parser.add_argument("config")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    parser.add_argument("--gpu-memory", metavar="SIZE", help="memory of one device, e.g. 80GiB (default: this GPU)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="memory of one device: a card's size as sold (80GB: "
+                                                             "what torch reports for it) or an exact one (79.2GiB); "
+                                                             "default: this GPU")
     parser.add_argument("--model-config", metavar="CONFIG_JSON", help="the model's config.json, when model.path "
                                                                       "is not available on this machine")
     parser.add_argument("--prompt-tokens", type=int, metavar="N", help="longest prompt (default: measured)")

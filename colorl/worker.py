@@ -251,6 +251,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> None:
 def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path, resume: bool) -> RankContext:
     from colorl.verdicts import record_in_run
 
+    device = distributed.rank_device(device)  # "cuda:N" from here on: threads the rank starts use it too
+    engine_cls = engine_class(cfg.rollout.engine)
+    for key, value in engine_cls.process_env.items():  # a user's setting wins
+        os.environ.setdefault(key, value)
     torch.manual_seed(cfg.run.seed + rank)
     record_in_run(run_dir / "kernels.json")  # every rank, and a resume, compute with the kernels the run chose
     if rank == 0:
@@ -266,6 +270,10 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     else:
         reward_fn = task.reward
     trainer = PolicyTrainer(model_dir, cfg, device, dtype)
+    # the unsharded model went through the device before FSDP2 sharded it; its blocks stay in this
+    # process's cache until handed back, and an engine that sizes its KV pool from the free memory
+    # (SGLang, in its own process) would lose them: give them back first, as `colorl plan` assumes
+    distributed.release_cached_device_memory(device)
     # C = rollout.concurrency counts sequences in flight over all ranks; each engine takes its share
     per_rank_concurrency = -(-cfg.rollout.concurrency // world)
     backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.engine.sleep_level == 2)
@@ -273,7 +281,6 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})
     engine_dtype = DTYPES[cfg.engine.dtype or cfg.model.dtype]  # the checkpoint engine casts to it
-    engine_cls = engine_class(cfg.rollout.engine)
     threads = torch.get_num_threads()
     if cfg.mode == "bounded_lag" and engine_cls.keeps_build_threads:
         threads = CoreShare.of_rank(cfg.launch, threads).rollout  # it keeps the rollout loop's share
@@ -298,12 +305,13 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite,
-                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer, context_length(model_dir)),
+                      episodes=EpisodeSetup.from_config(cfg.task, cfg.rollout, tokenizer, context_length(model_dir),
+                                                        device),
                       resumed_from=step)
     if rank == 0:
         ctx.history = [r for r in read_metrics(run_dir) if r["step"] <= state.step]
     ctx.event(f"rank {rank} pid {os.getpid()} start step={state.step} world={world} device={device} "
-              f"resume={resume} sync={weight_sync.transport}", all_ranks=True)
+              f"resume={resume} sync={weight_sync.transport} attention={trainer.attention}", all_ranks=True)
     return ctx
 
 

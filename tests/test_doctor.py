@@ -73,3 +73,30 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "d").exists()
+
+
+def test_on_a_gpu_box_every_gpu_runs_and_the_gpu_settings_are_covered(monkeypatch):
+    """Issue 30 defect 7, the selection on CPU: on an 8-GPU box the doctor runs 8 ranks by default (NCCL
+    over all of them, eight engines starting at once), and adds bf16 mixed precision with optimizer
+    offload and LoRA on a bf16 base to the matrix."""
+    import argparse
+
+    import torch
+
+    from colorl import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(preflight, "check_devices", lambda *args: None)
+    args = argparse.Namespace(config="configs/gpu-smoke.yaml", set=None, case=None, nproc=None, device="auto")
+    plan = doctor.plan_cases(args)
+    assert plan.device == "cuda" and plan.nproc == 8
+    names = [case.name for case in plan.cases]
+    assert names[:6] == [case.name for case in doctor.cases_for(["sglang"])]
+    assert names[6:] == ["sglang/colocated/sleep1/full-bf16-offload", "sglang/colocated/sleep1/lora-bf16-base"]
+    _, mixed = plan.case_config(plan.cases[6])
+    assert mixed.train.mixed_precision == "bfloat16" and mixed.train.offload_optimizer and mixed.model.dtype == "float32"
+    _, lora = plan.case_config(plan.cases[7])
+    assert lora.model.lora is not None and lora.model.dtype == "bfloat16" and lora.launch.nproc == 8
+    args.nproc = 2
+    assert doctor.plan_cases(args).nproc == 2

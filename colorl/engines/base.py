@@ -101,6 +101,9 @@ class Engine(ABC):
     # The loggers of the library behind the engine: their records go to RUN_DIR/engine.log, and the
     # engine's start-up output with them (colorl/engines/engine_log.py).
     log_names: tuple[str, ...] = ()
+    # Environment the engine sets in the rank's own process when it starts; the rank sets it first,
+    # before its first collective, so every NCCL communicator of the rank is made under it.
+    process_env: Mapping[str, str] = {}
 
     @classmethod
     def model_refusal(cls, hf_config, device: str) -> str | None:

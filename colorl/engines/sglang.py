@@ -122,6 +122,9 @@ class SGLangEngine(Engine):
     max_running_requests). `device`: the rank's CUDA device."""
 
     keeps_kv_across_updates = True  # in-flight updates pause "in_place": running requests keep their KV
+    # sglang.Engine sets these unless set (_set_envs_and_config): no NVLink SHARP buffers, no cuMem
+    # allocations in NCCL, for the trainer's communicators too, whichever NCCL call comes first
+    process_env = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
 
     def __init__(self, model_dir: Path | str, engine_cfg, device: str = "cuda", dtype: torch.dtype = torch.float32):
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
@@ -152,9 +155,9 @@ class SGLangEngine(Engine):
                 disable_overlap_schedule=engine_cfg.in_flight_updates,
             )
         self._loop = self._engine.loop
-        self._keep_host_signal_handlers()
         self._tm = self._engine.tokenizer_manager
         self._kv_tokens_total = int(self._engine.get_server_info()["max_total_num_tokens"])
+        self._keep_host_signal_handlers()  # get_server_info was the tokenizer manager's first call
         model = meta_model(AutoConfig.from_pretrained(model_dir), dtype)
         self._weights = dict(model.named_parameters())
         self._live: dict[str, _Live] = {}
@@ -181,13 +184,15 @@ class SGLangEngine(Engine):
         stream = self._loop.run_until_complete(self._engine.async_generate(
             input_ids=list(request.prompt_ids) + list(request.output_ids), sampling_params=params,
             return_logprob=True, stream=True, rid=request.request_id))
-        self._keep_host_signal_handlers()
         self._live[request.request_id] = _Live(request, stream, self._arm(stream), self._version)
 
     def _keep_host_signal_handlers(self) -> None:
-        """SGLang's tokenizer manager puts its own SIGTERM/SIGQUIT handlers on the event loop at the
-        first request (main thread only), and a multi-node start sets one with signal.signal: give
-        the process's own handlers back (colorl's SIGTERM saves a checkpoint at the step boundary)."""
+        """SGLang's tokenizer manager puts its own SIGTERM/SIGQUIT handlers on the event loop at its
+        first call (`auto_create_handle_loop`, main thread only; `get_server_info` at start is the
+        first), and the engine's start sets SIGQUIT with signal.signal: give the process's own
+        handlers back. colorl's SIGTERM saves a checkpoint at the step boundary; SIGQUIT (which a
+        failing SGLang child sends its parent) keeps its default action and ends the rank, which
+        the launcher reports, instead of waiting on a scheduler that is gone."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self._host_handlers.items():
@@ -250,7 +255,8 @@ class SGLangEngine(Engine):
 
     def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[GenerationResult]:
         """Abort in SGLang and wait for each stream's last chunk: the tokens generated so far
-        (finish reason "interrupt"; a request that finished first keeps its own reason).
+        (finish reason "interrupt"; a request that finished before the abort reached the scheduler
+        comes back finished, with its own reason, and must not be resumed).
 
         keep_kv: SGLang frees an aborted request's KV slots (its scheduler's abort path); what it
         keeps is in the radix cache, which serves the re-added request's prefix if nothing has
@@ -260,9 +266,11 @@ class SGLangEngine(Engine):
         for live in stopping:
             live.interrupted = True
             rid = live.request.request_id
-            if rid not in self._tm.rid_to_state and live.tokens == 0 and not live.next.done():
-                # its stream was never advanced, so SGLang has not seen it (an abort would find no
-                # such request and it would then run to the end): cancel it before it starts
+            state = self._tm.rid_to_state.get(rid)
+            if (state is None or not state.dispatched) and live.tokens == 0 and not live.next.done():
+                # its scheduler has not received it (its stream was never advanced, or it waits for
+                # the dispatch): an abort would be lost there and the request would run to its end.
+                # Cancelled, the stream drops it before dispatch (generate_request's failure path)
                 live.next.cancel()
                 self._run(asyncio.gather(live.next, return_exceptions=True))
                 del self._live[rid]

@@ -83,8 +83,10 @@ class PendingStep:
 class EnvRunner:
     """The pool environment code runs on; `close()` it when the rollout ends."""
 
-    def __init__(self, workers: int = 8) -> None:
+    def __init__(self, workers: int = 8, thread_start: Callable[[], None] | None = None) -> None:
+        """thread_start: run first in each of the pool's threads (the rank's device, colorl/distributed.py)."""
         self._workers = workers
+        self._thread_start = thread_start
         self._pool = self._new_pool()
 
     def submit_reset(self, env: Environment, timeout_s: float) -> PendingStep:
@@ -135,7 +137,7 @@ class EnvRunner:
             self._pool = self._new_pool()
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self._workers, thread_name_prefix="colorl-env")
+        return ThreadPoolExecutor(self._workers, thread_name_prefix="colorl-env", initializer=self._thread_start)
 
 
 def _timed(call: Callable[[], Any]) -> Outcome:

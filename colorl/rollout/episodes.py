@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
+from colorl.distributed import use_device
 from colorl.engines.base import Engine, GenerationRequest, GenerationResult
 from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment, GuardedStep, Message, PendingStep,
                          parse_tool_calls)
@@ -53,16 +54,18 @@ class EpisodeSetup:
     workers: int = 8
     options: dict = field(default_factory=dict)  # task.env_options, the constructor's keyword arguments
     context: int | None = None  # the model's context: a turn whose prompt and answer would not fit is not run
+    device: str = "cpu"  # the rank's device, made current in each of the environment pool's threads
 
     @classmethod
-    def from_config(cls, task_cfg, rollout_cfg, tokenizer, context: int | None = None) -> EpisodeSetup | None:
+    def from_config(cls, task_cfg, rollout_cfg, tokenizer, context: int | None = None,
+                    device: str = "cpu") -> EpisodeSetup | None:
         if not task_cfg.env:
             return None
         from colorl.envs import resolve_env
 
         return cls(resolve_env(task_cfg.env), tokenizer, task_cfg.max_turns,
                    task_cfg.turn_tokens or rollout_cfg.max_new_tokens, task_cfg.episode_tokens,
-                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options), context)
+                   task_cfg.env_timeout_s, task_cfg.env_workers, dict(task_cfg.env_options), context, device)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class Rollouts:
         self._episodes: dict[str, _Episode] = {}
         self._runner: EnvRunner | None = None
         self._env_wait_s = 0.0
-        self._done: list[GenerationResult] = []  # episodes finished since the last step's return
+        self._done: list[GenerationResult] = []  # samples finished since the last step's return
         self._requests: dict[str, GenerationRequest] = {}  # completions in the engine, for `resume`
         self._parked: dict[str, GenerationResult] = {}  # interrupted completions, until `resume`
 
@@ -111,7 +114,7 @@ class Rollouts:
     def step(self) -> list[GenerationResult]:
         """One engine step (or, when only environments are working, a short wait for one); what finished."""
         if self.setup is None:
-            results = self.engine.step()
+            results, self._done = self._done + (self.engine.step() if self.engine.has_unfinished() else []), []
             for result in results:
                 self._requests.pop(result.request_id, None)
             return results
@@ -141,21 +144,32 @@ class Rollouts:
                 self.engine.abort([episode.turn.request_id])
 
     def interrupt(self, request_ids: Iterable[str], keep_kv: bool = False) -> list[str]:
-        """Stop generating for these samples until `resume` (their tokens keep their versions)."""
+        """Stop generating for these samples until `resume` (their tokens keep their versions). A
+        request that finished before the interrupt reached the engine is done, not parked: the
+        next `step` hands it on, and `resume` leaves it alone (re-adding it would decode past its end)."""
         ids = list(request_ids)
         if self.setup is None:
             for result in self.engine.interrupt(ids, keep_kv=keep_kv):
-                self._parked[result.request_id] = result
+                if result.finish_reason == "interrupt":
+                    self._parked[result.request_id] = result
+                else:
+                    self._requests.pop(result.request_id, None)
+                    self._done.append(result)
             return ids
         turns = {e.turn.request_id: e for rid in ids if (e := self._episodes.get(rid)) and e.turn is not None}
         for result in self.engine.interrupt(list(turns), keep_kv=keep_kv):
-            turns[result.request_id].partial = result
+            if result.finish_reason == "interrupt":
+                turns[result.request_id].partial = result
+            else:
+                self._model_turn_done(result)
         return ids
 
     def resume(self, request_ids: Iterable[str]) -> None:
         """Continue interrupted samples where they stopped: re-added with what they generated."""
         for rid in request_ids:
             if self.setup is None:
+                if rid not in self._parked:
+                    continue  # finished before the interrupt
                 request, partial = self._requests[rid], self._parked.pop(rid)
             else:
                 episode = self._episodes.get(rid)
@@ -188,7 +202,7 @@ class Rollouts:
     # ------------------------------------------------------------------ episodes
     def _pool(self) -> EnvRunner:
         if self._runner is None:
-            self._runner = EnvRunner(self.setup.workers)
+            self._runner = EnvRunner(self.setup.workers, functools.partial(use_device, self.setup.device))
         return self._runner
 
     def _waiting(self) -> bool:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from colorl import faults
+from colorl import distributed, faults
 from colorl.buffer import Slot
 from colorl.engines.base import GenerationRequest, GenerationResult
 from colorl.envs.base import EpisodeRecord
@@ -174,8 +174,10 @@ class RolloutProducer:
 
     # ---------------------------------------------------------------- rollout thread
     def _run(self) -> None:
-        device = getattr(self.engine, "device", None)
-        stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
+        distributed.use_device(self.ctx.device)
+        # an engine in this process decodes on its own stream; SGLang and vLLM run on their own
+        in_process = getattr(self.engine, "device", None) is not None
+        stream = torch.cuda.Stream(self.ctx.device) if in_process and self.ctx.device.startswith("cuda") else None
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while not self._stop.is_set():

@@ -29,8 +29,9 @@ def checkpoint_layers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def make_mesh(device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+def make_mesh(device: str) -> DeviceMesh:
+    """A 1-D mesh over the ranks; `device` may name an index ("cuda:1"), the mesh takes its type."""
+    return init_device_mesh(torch.device(device).type, (torch.distributed.get_world_size(),))
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, cpu_offload: bool = False,

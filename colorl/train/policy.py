@@ -52,12 +52,13 @@ class PolicyTrainer:
     def __init__(self, model_dir: Path, cfg, device: str, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
         self.device = device
+        self.compute_dtype = getattr(torch, cfg.train.mixed_precision) if cfg.train.mixed_precision else None
+        self.attention = packed_attention(device, self.compute_dtype or dtype)  # what runs the packed rows
         model = self._load(model_dir, dtype)
         if cfg.model.lora is not None:
             model = apply_lora(model, cfg.model.lora)
         model.to(device)
         model.config.use_cache = False
-        self.compute_dtype = getattr(torch, cfg.train.mixed_precision) if cfg.train.mixed_precision else None
         if cfg.train.activation_checkpointing:
             checkpoint_layers(model)
         self.model = self._shard(model)
@@ -78,7 +79,7 @@ class PolicyTrainer:
 
     def _load(self, model_dir: Path, dtype: torch.dtype):
         model = load_model(model_dir, dtype)
-        model.set_attn_implementation(packed_attention(self.device))
+        model.set_attn_implementation(self.attention)
         use_onednn_linears(model, self.device)  # on CPU: MKL's sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
         return model
 

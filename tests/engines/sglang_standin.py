@@ -11,15 +11,19 @@ and the log-probs can be checked against the model. Semantics it enforces like S
 only while generation is paused; releasing memory only when idle; released weights lose their
 contents (NaN) until loaded again unless `enable_weights_cpu_backup`; no generation while the KV
 cache is released; its scheduler child hangs (here: fails at start) when it inherits torchrun's
-`TORCHELASTIC_USE_AGENT_STORE`; the tokenizer manager's first request installs SIGTERM and SIGQUIT
-handlers on the event loop from the main thread (`auto_create_handle_loop`).
+`TORCHELASTIC_USE_AGENT_STORE`; the tokenizer manager's first call (`get_server_info` at start, else
+the first request) installs SIGTERM and SIGQUIT handlers on the event loop from the main thread
+(`auto_create_handle_loop`); an abort reaches the scheduler only once it has the request (one sent
+while the request waits for its dispatch is lost, and it runs to its end), and a request the
+scheduler's step in flight finishes comes back finished in an interrupt's reply.
 
 Two things come from the wheel itself (tests/helpers/sglang_wheel.py reads its source):
 - tensors reach the "scheduler" as they do in SGLang: one `MultiprocessingSerializer` payload per TP
   rank (torch's ForkingPickler), loaded back with SGLang's `SafeUnpickler`, whose allow-list refuses
   what the real scheduler would (a DTensor, a tensor that requires grad, any other global);
-- the device is simulated (`SimulatedDevice`): memory the engine releases is taken by the trainer's
-  caching allocator until colorl hands it back (`colorl.distributed.release_cached_device_memory`,
+- the device is simulated (`SimulatedDevice`): memory the engine releases, and the unsharded model
+  the trainer loaded before sharding it, are held by the trainer's caching allocator until colorl
+  hands them back (the engine refuses to start before that) (`colorl.distributed.release_cached_device_memory`,
   which `install` wraps), and a `resume_memory_occupation` that does not fit fails with an
   out-of-memory error, as torch_memory_saver's re-mapping does in SGLang's scheduler.
 """
@@ -40,6 +44,7 @@ import sglang_wheel  # tests/helpers
 from colorl import distributed
 from colorl.models import load_model
 
+NCCL_SETTINGS = ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,7 +114,9 @@ class _Req:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     events: list[tuple[str, int]] = field(default_factory=list)  # (old version, tokens then)
-    aborted: bool = False
+    aborted: bool = False  # the scheduler received the abort
+    dispatched: bool = False  # as ReqState.dispatched: the scheduler has the request
+    abort_sent: bool = False  # as ReqState.abort_sent
 
 
 class TokenizerManager:
@@ -135,10 +142,17 @@ class TokenizerManager:
         self.engine.calls.append(("sigterm",))
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
+        """As the wheel's: an abort goes to the scheduler once per request; one for a request the
+        scheduler has not received yet is lost there (the request then runs to its end)."""
         self.engine.calls.append(("abort_request", rid))
         state = self.rid_to_state.get(rid)
-        if state is not None:
+        if state is None or state.abort_sent:
+            return
+        state.abort_sent = True
+        if state.dispatched:
             state.aborted = True
+        else:
+            self.engine.calls.append(("abort_lost", rid))
 
     async def pause_generation(self, obj: PauseGenerationReqInput):
         assert obj.mode in ("abort", "retract", "in_place"), obj.mode
@@ -175,8 +189,15 @@ class Engine:
         if dtype == "float32" and kwargs.get("attention_backend") not in ("torch_native",):
             raise ValueError(f"attention backend {kwargs.get('attention_backend') or 'fa3'} does not support "
                              f"dtype float32 (fa3 and flashinfer take float16/bfloat16)")
+        if torch.distributed.is_initialized() and any(key not in os.environ for key in NCCL_SETTINGS):
+            raise RuntimeError(f"SGLang sets {', '.join(NCCL_SETTINGS)} in this process now, after its process "
+                               f"group was made: its NCCL communicators would not all share one setting")
+        for key in NCCL_SETTINGS:  # as _set_envs_and_config: unless set
+            os.environ.setdefault(key, "0")
         self.kwargs = kwargs
         self.calls: list[tuple] = []
+        if threading.current_thread() is threading.main_thread():  # the launch phase's SIGQUIT handler
+            signal.signal(signal.SIGQUIT, lambda signum, frame: self.calls.append(("sigquit",)))
         self.model = load_model(Path(kwargs["model_path"]), DTYPES[kwargs.get("dtype", "float32")]).eval()
         self.weight_version = kwargs.get("weight_version", "default")
         self.loop = asyncio.new_event_loop()
@@ -187,11 +208,15 @@ class Engine:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sizes = {"weights": weights, "cuda_graph": DEVICE.CUDA_GRAPH_BYTES,
                       "kv_cache": int(kwargs.get("mem_fraction_static", 0.5) * DEVICE.TOTAL) - weights}
+        if DEVICE.trainer_cached:  # SGLang measures the free memory before it loads, and sizes its pool on it
+            raise RuntimeError(f"SGLang starts with {DEVICE.trainer_cached} bytes still cached by the trainer's "
+                               f"allocator (the unsharded model): its KV pool would be sized without them")
         for tag, size in self.sizes.items():
             DEVICE.map(tag, size)
         Engine.instances.append(self)
 
     def get_server_info(self):
+        self.tokenizer_manager.auto_create_handle_loop()  # as get_internal_state, which it awaits
         return {"max_total_num_tokens": 4096, "weight_version": self.weight_version}
 
     # -- generation
@@ -204,35 +229,55 @@ class Engine:
 
     async def _stream(self, state: _Req):
         """As TokenizerManager.generate_request, an async generator: the request reaches the tokenizer
-        manager (and an abort can find it) only when the stream is first advanced."""
+        manager (and an abort can find it) only when the stream is first advanced; it is registered
+        there, then waits a loop turn (pause, lock, tokenizer) before it is dispatched to the scheduler.
+        Cancelled before the dispatch, it is dropped (`_release_req_states_on_failure`)."""
         tm = self.tokenizer_manager
         tm.rid_to_state[state.rid] = state
-        params = state.params
-        gen = torch.Generator().manual_seed(params.get("sampling_seed", 0))
+        try:
+            await tm._resumed.wait()
+            await asyncio.sleep(0)
+            state.dispatched = True
+        except BaseException:
+            del tm.rid_to_state[state.rid]
+            raise
+        self.calls.append(("dispatched", state.rid))
+        gen = torch.Generator().manual_seed(state.params.get("sampling_seed", 0))
         while True:
             await tm._resumed.wait()
             if state.aborted:
+                # the scheduler's batch in flight when the abort arrived ran first: a request it
+                # finished comes back finished; otherwise its token is dropped with the abort
+                finish = self._decode(state, gen)
+                if finish is None:
+                    state.output_ids.pop(), state.logprobs.pop()
+                    finish = {"type": "abort", "message": "Abort in waiting queue"}
                 del tm.rid_to_state[state.rid]  # as _handle_batch_output: gone before the last chunk is read
-                yield self._chunk(state, {"type": "abort", "message": "Abort in waiting queue"})
+                yield self._chunk(state, finish)
                 return
-            assert "kv_cache" not in self.released, "generation while the KV cache is released"
-            with torch.no_grad():
-                logits = self.model(torch.tensor([state.input_ids + state.output_ids])).logits[0, -1].float()
-            logprobs = torch.log_softmax(logits / params["temperature"], dim=-1)
-            token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
-            state.output_ids.append(token)
-            state.logprobs.append(float(logprobs[token]))
-            finish = None
-            if token in params.get("stop_token_ids", []) and not params.get("ignore_eos"):
-                finish = {"type": "stop", "matched": token}
-            elif len(state.output_ids) >= params["max_new_tokens"]:
-                finish = {"type": "length", "length": params["max_new_tokens"]}
+            finish = self._decode(state, gen)
             if finish is not None:
                 del tm.rid_to_state[state.rid]
                 yield self._chunk(state, finish)
                 return
             yield self._chunk(state, finish)
             await asyncio.sleep(0)
+
+    def _decode(self, state: _Req, gen: torch.Generator) -> dict | None:
+        """One token for `state`; the finish reason it ends the request with, if any."""
+        assert "kv_cache" not in self.released, "generation while the KV cache is released"
+        params = state.params
+        with torch.no_grad():
+            logits = self.model(torch.tensor([state.input_ids + state.output_ids])).logits[0, -1].float()
+        logprobs = torch.log_softmax(logits / params["temperature"], dim=-1)
+        token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+        state.output_ids.append(token)
+        state.logprobs.append(float(logprobs[token]))
+        if token in params.get("stop_token_ids", []) and not params.get("ignore_eos"):
+            return {"type": "stop", "matched": token}
+        if len(state.output_ids) >= params["max_new_tokens"]:
+            return {"type": "length", "length": params["max_new_tokens"]}
+        return None
 
     def _chunk(self, state: _Req, finish: dict | None) -> dict:
         meta = {"id": state.rid, "finish_reason": finish, "prompt_tokens": len(state.input_ids),
@@ -337,6 +382,8 @@ def install(monkeypatch) -> None:
     global DEVICE
     sglang_wheel.serializer()
     DEVICE = SimulatedDevice()
+    for key in NCCL_SETTINGS:  # the stand-in's engine sets them in this process, as SGLang's: undone after
+        monkeypatch.delenv(key, raising=False)
     release = distributed.release_cached_device_memory
 
     def release_and_hand_off(device):
@@ -344,6 +391,14 @@ def install(monkeypatch) -> None:
         DEVICE.hand_off()
 
     monkeypatch.setattr(distributed, "release_cached_device_memory", release_and_hand_off)
+    from colorl.train.policy import PolicyTrainer
+    build_trainer = PolicyTrainer.__init__
+
+    def trainer_then_cached(trainer, *args, **kwargs):  # the trainer loads the whole model onto the device,
+        build_trainer(trainer, *args, **kwargs)           # then shards it: what it frees stays cached
+        DEVICE.trainer_cached = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+
+    monkeypatch.setattr(PolicyTrainer, "__init__", trainer_then_cached)
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
     for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput, FlushCacheReqOutput):
         setattr(io_struct, cls.__name__, cls)

@@ -12,12 +12,15 @@ tiny model, each with the checkpoint engine's bit-exact check after every sync a
                  surplus entry, η = 1); staleness within η, no prompt trained twice, and resumed
                  from step 2 no prompt handed out before the save is lost
     bounded-lag  multi-turn episodes with a scripted tool environment, η = 1
+    bounded-lag  the same at two ranks, on CPU as on a two-GPU box under the device-placement
+                 recorder: rank r's trainer, engine and threads touch only cuda:r
 
 The SGLang column is colorl's real adapter over the CPU stand-in of the package
 (tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -115,10 +118,12 @@ def test_every_engine_has_the_interfaces_signatures(column):
 
 # -- whole runs --------------------------------------------------------------------------------------
 
-def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = False) -> list[dict]:
-    """A run of this column's engine with the sync check on (a weight mismatch fails it)."""
-    return run_checked(column.rank(), [*BASE, f"rollout.engine={column.engine}", *column.sets, *sets], run_dir, resume,
-                       column.name)
+def checked_run(column: Column, sets: list[str], run_dir: Path, resume: bool = False,
+                rank: Callable | None = None) -> list[dict]:
+    """A run of this column's engine with the sync check on (a weight mismatch fails it);
+    `rank`: the function each rank runs, if not the column's."""
+    return run_checked(rank or column.rank(), [*BASE, f"rollout.engine={column.engine}", *column.sets, *sets],
+                       run_dir, resume, column.name)
 
 
 def interrupted_copy(run_dir: Path, into: Path, step: int) -> Path:
@@ -189,6 +194,25 @@ def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column,
     # (completed groups, tickets in flight) or tickets it had not handed out yet: its data position
     held = {*saved["reissue"], *(c["group"]["ticket"] for c in saved["completed"])}
     assert all(t in held or t >= saved["next_ticket"] for t in lines[2]["trained_problems"]), (saved, lines[2])
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_each_on_its_own_gpu(column, tmp_path):
+    """The CUDA branches of a two-rank bounded-lag run with episodes and eval, on CPU under the
+    device-placement recorder (tests/helpers/device_recorder.py): the trainer, the engine, the
+    rollout thread and the environment pool's threads of rank r name only cuda:r (never a bare
+    "cuda"), and every thread that uses the current device has made cuda:r current first."""
+    from device_recorder import on_own_gpu
+
+    keep = engine_class(column.engine).keeps_kv_across_updates
+    sets = ["run.steps=2", "launch.nproc=2", "mode=bounded_lag", "staleness.max=1", "rollout.batch_groups=2",
+            f"staleness.partial_rollout={'keep' if keep else 'recompute'}", "task.reward=null",
+            "task.env=scripted_envs:DeviceToolEnv", "task.max_turns=4", "filter.zero_variance=false"]
+    ranks = checked_run(column, sets, tmp_path / "run", rank=functools.partial(on_own_gpu, column.rank()))
+    assert [r["steps"] for r in ranks] == [2, 2] and all(r["checked_versions"][0] == 0 for r in ranks)
+    lines = metrics(tmp_path / "run")
+    assert_common(lines, 2, eta=1)
+    assert all(r["env_errors"] == 0 for r in lines)  # the tool's device call found cuda:r current in its thread
 
 
 @pytest.mark.timeout(300)

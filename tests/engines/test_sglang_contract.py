@@ -350,7 +350,8 @@ def test_reply_keys_nest_as_in_the_wheel(wheel):
     sglang_standin = load_standin()
 
     state = sglang_standin._Req("r", [1, 2], {}, output_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -0.5], events=[("0", 2)])
-    owner = type("Owner", (), {"weight_version": "1"})()
+    owner = type("Owner", (), {"weight_version": "1", "tokenizer_manager": type("Manager", (), {
+        "auto_create_handle_loop": lambda self: None})()})()
     chunk = sglang_standin.Engine._chunk(owner, state, {"type": "length", "length": 3})
     produced = _paths(chunk, ("chunk",)) | _paths(sglang_standin.Engine.get_server_info(owner), ("server_info",))
     assert sorted(produced - schema, key=str) == []
@@ -394,3 +395,29 @@ def test_the_sglang_extra_pins_what_the_wheel_pins(wheel):
     for package in ("torch", "transformers"):
         pinned = [r for r in requires if r.startswith(f"{package}==")]
         assert pinned and pinned[0] in extra, (package, pinned, extra)
+
+
+def test_what_the_adapter_assumes_of_start_up_and_aborts(wheel):
+    """Issue 30: get_server_info's first await installs the tokenizer manager's signal handlers (the
+    adapter takes them back after it); a request's state says whether the scheduler has it
+    (`dispatched`, read by `interrupt`), and a handler cancelled before the dispatch drops it; the
+    engine's start sets the NCCL variables `SGLangEngine.process_env` sets first, unless set."""
+    from colorl.engines.sglang import SGLangEngine
+
+    manager = "sglang/srt/managers/tokenizer_manager.py"
+    info = ast.unparse(wheel.functions("sglang/srt/entrypoints/engine.py")["get_server_info"])
+    assert "self.tokenizer_manager.get_internal_state()" in info
+    internal = ast.unparse(wheel.functions("sglang/srt/managers/tokenizer_control_mixin.py")["get_internal_state"])
+    assert internal.splitlines()[1].strip() == "self.auto_create_handle_loop()"
+    assert "dispatched" in sglang_wheel_fields(wheel.classes(manager)["ReqState"])
+    release = ast.unparse(wheel.functions(manager)["_release_req_states_on_failure"])
+    assert "if state.dispatched:" in release and "del self.rid_to_state[rid]" in release
+    generate = ast.unparse(wheel.functions(manager)["generate_request"])
+    assert "except BaseException:" in generate and "self._release_req_states_on_failure(request_states)" in generate
+    settings = ast.unparse(wheel.functions("sglang/srt/entrypoints/engine.py")["_set_envs_and_config"])
+    for key in SGLangEngine.process_env:
+        assert f"'{key}' not in os.environ" in settings and f"os.environ['{key}'] = str(" in settings
+
+
+def sglang_wheel_fields(cls: ast.ClassDef) -> set[str]:
+    return set(_fields(cls))

@@ -6,6 +6,7 @@ tests check what the adapter asks of SGLang, in which order, and what it makes o
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import sys
@@ -21,6 +22,7 @@ from colorl.config import EngineConfig, SyncConfig
 from colorl.engines import build_engine
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.models import load_model, save_tiny_model
+from colorl.rollout.episodes import Rollouts
 from colorl.sync import CheckpointEngine
 
 _spec = importlib.util.spec_from_file_location("sglang_standin", Path(__file__).parent / "sglang_standin.py")
@@ -309,6 +311,58 @@ def test_colorls_sigterm_handler_survives_sglangs_loop(model_dir, monkeypatch):
         built.shutdown()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_colorls_handlers_are_back_as_soon_as_the_engine_is_built(model_dir, monkeypatch):
+    """Issue 30 defect 3: `get_server_info()` at start is the tokenizer manager's first call, which puts
+    SGLang's SIGTERM and SIGQUIT handlers on its loop, and the engine's start sets SIGQUIT: the process's
+    own handlers are back before the start-up sync, not only after the first request."""
+    import os
+    import signal
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    quit_handler = signal.getsignal(signal.SIGQUIT)
+    try:
+        standin.install(monkeypatch)
+        built = build_engine("sglang", model_dir, EngineConfig(), "cpu", torch.float32)
+        assert fake(built).tokenizer_manager.event_loop is not None  # SGLang's handlers were installed
+        assert signal.getsignal(signal.SIGQUIT) is quit_handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        built.generate([request("a")])  # SGLang's loop runs: a SIGTERM it had caught would reach it now
+        assert received == [signal.SIGTERM] and ("sigterm",) not in fake(built).calls
+        built.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGQUIT, quit_handler)
+
+
+def test_a_request_finished_before_the_interrupt_is_not_resumed(engine):
+    """Issue 30 defect 2: an interrupt's reply holds requests the scheduler finished before the abort
+    arrived (here its step in flight gives the last token of the budget). They are done: `Rollouts`
+    hands them on and does not re-add them, which would decode past their end."""
+    rollouts = Rollouts(engine)
+    rollouts.start(request("a", SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True, seed=5)), None)
+    assert rollouts.step() == []  # one token
+    rollouts.resume(rollouts.interrupt(["a"]))
+    (done,) = rollouts.step()
+    assert done.finish_reason == "length" and len(done.output_ids) == 2 and not rollouts.has_unfinished()
+    assert ("abort_request", "a") in fake(engine).calls
+
+
+def test_an_interrupt_before_the_dispatch_cancels_the_request(engine):
+    """Issue 30 defect 2: SGLang registers a request, then dispatches it to its scheduler some loop turns
+    later; an abort in between is lost and the request runs to its end. Here it is held registered by
+    an in-place pause that lifts while the interrupt waits: the adapter cancels it before the dispatch."""
+    tm, loop = fake(engine).tokenizer_manager, fake(engine).loop
+    loop.run_until_complete(tm.pause_generation(standin.PauseGenerationReqInput(mode="in_place")))
+    engine.add(request("held", LONG))
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert "held" in tm.rid_to_state and not tm.rid_to_state["held"].dispatched
+    loop.call_later(0.05, lambda: loop.create_task(tm.continue_generation(standin.ContinueGenerationReqInput())))
+    (result,) = engine.interrupt(["held"])
+    assert result.finish_reason == "interrupt" and result.output_ids == []
+    assert "held" not in tm.rid_to_state and ("dispatched", "held") not in fake(engine).calls
 
 
 def test_bf16_serving_from_fp32_master_weights(model_dir, trained, monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from colorl.envs import Environment, EnvStep, Message, ToolSpec
 
 TOOL_TEXT = "TOOL-RESULT-7391"  # what the scripted tool answers: easy to find in the episode's tokens
@@ -46,6 +48,16 @@ class ShortScriptedEnv(ScriptedToolEnv):
     context holds for all three turns (the declaration alone nearly fills it). The ones below are short too."""
 
     tools = ()
+
+
+class DeviceToolEnv(ShortScriptedEnv):
+    """Its tool works on the current CUDA device when there is one, as an environment running a model of
+    its own would: on a GPU box that must be its rank's device, in whichever pool thread it runs."""
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if torch.cuda.is_available():
+            torch.zeros(1, device=torch.cuda.current_device())
+        return super().step(assistant_text)
 
 
 class SlowToolEnv(ShortScriptedEnv):

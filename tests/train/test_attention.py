@@ -1,0 +1,50 @@
+"""Issue 30 defect 6: which attention the trainer runs packed rows with, and torch's varlen kernel's
+layout, checked on CPU against the per-sequence path (the kernel itself needs CUDA)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers.utils
+from torch.nn.attention import varlen
+
+from colorl.train.attention import VARLEN, VARLEN_FLASH, packed_attention, varlen_flash, varlen_sdpa
+
+
+def test_the_attention_follows_what_the_installed_stack_provides(monkeypatch):
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)  # the SGLang environment
+    assert packed_attention("cuda:3", torch.bfloat16) == VARLEN_FLASH
+    assert packed_attention("cuda:0", torch.float16) == VARLEN_FLASH
+    assert packed_attention("cuda:0", torch.float32) == VARLEN  # FlashAttention takes 16-bit only
+    assert packed_attention("cpu", torch.bfloat16) == VARLEN
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert packed_attention("cuda:0", torch.bfloat16) == "flash_attention_2"
+    assert packed_attention("cpu", torch.bfloat16) == VARLEN
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False, **kwargs):
+    """torch's varlen_attn as documented: [T, H, d] inputs, int32 bounds, window (-1, 0) causal."""
+    assert query.dim() == 3 and query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    assert window_size == (-1, 0)
+    bounds = cu_seq_q.tolist()
+    assert max(e - s for s, e in zip(bounds[:-1], bounds[1:])) == max_q
+    parts = [F.scaled_dot_product_attention(query[s:e].transpose(0, 1), key[s:e].transpose(0, 1),
+                                            value[s:e].transpose(0, 1), scale=scale, is_causal=True,
+                                            enable_gqa=enable_gqa).transpose(0, 1)
+             for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts)
+
+
+def test_torchs_varlen_kernel_gets_the_packed_row_in_its_layout(monkeypatch):
+    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    total, heads, kv_heads, dim = sum(lengths), 4, 2, 8
+    query = torch.randn(1, heads, total, dim, generator=gen)
+    key, value = (torch.randn(1, kv_heads, total, dim, generator=gen) for _ in range(2))
+    cu = torch.tensor([0, 5, 6, 15, 18])  # int64, as the packer makes it
+    expected, _ = varlen_sdpa(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu)
+    got, _ = varlen_flash(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    assert got.shape == (1, total, heads, dim)
+    torch.testing.assert_close(got, expected)
