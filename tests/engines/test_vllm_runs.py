@@ -34,23 +34,26 @@ def checked_run(sets: list[str], run_dir: Path, resume: bool = False) -> list[di
     return run_checked(checked_rank, [*BASE, *sets], run_dir, resume, "vllm")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_colocated_lora_sleep2_eval_bit_exact_and_resume(tmp_path):
+    """Resumed twice, each time from a fresh process: a resume that differed from the uninterrupted run in
+    one run of two (MKL's alignment-dependent paths, a rank reseeded by building an alias) fails here."""
     sets = [*RESUMABLE, LORA, "engine.sleep_level=2", "mode=colocated"]
     (report,) = checked_run(sets, tmp_path / "straight")
     assert report["checked_versions"] == [0, 1, 2, 3]  # start-up, then after each step: bit-exact
     lines = metrics(tmp_path / "straight")
     assert [r["step"] for r in lines] == [1, 2, 3] and all(r["eval_accuracy"] is not None for r in lines)
     assert all(r["staleness_max"] == 0 for r in lines)
-    # resume from step 2 through the CLI: step 3 trains exactly as the uninterrupted run did
-    resumed = tmp_path / "resumed"
+    # resume from step 2 through the CLI: step 3 trains exactly as the uninterrupted run did, every time
     cli = [a for s in [*BASE, *sets] for a in ("--set", s)]
-    assert main(["train", "configs/tiny.yaml", *cli, "--set", "run.steps=2", "--run-dir", str(resumed)]) == 0
-    assert main(["train", "configs/tiny.yaml", *cli, "--run-dir", str(resumed), "--resume"]) == 0
     keys = ("step", "version", "loss", "reward_mean", "response_len_mean")
-    assert [{k: r[k] for k in keys} for r in metrics(resumed)] == [{k: r[k] for k in keys} for r in lines]
-    a, b = weights(tmp_path / "straight", 3), weights(resumed, 3)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for attempt in (1, 2):
+        resumed = tmp_path / f"resumed-{attempt}"
+        assert main(["train", "configs/tiny.yaml", *cli, "--set", "run.steps=2", "--run-dir", str(resumed)]) == 0
+        assert main(["train", "configs/tiny.yaml", *cli, "--run-dir", str(resumed), "--resume"]) == 0
+        assert [{k: r[k] for k in keys} for r in metrics(resumed)] == [{k: r[k] for k in keys} for r in lines]
+        a, b = weights(tmp_path / "straight", 3), weights(resumed, 3)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), attempt
 
 
 @pytest.mark.timeout(300)
