@@ -314,6 +314,9 @@ class VLLMEngine(Engine):
             if not self._said_cpu_sleep:
                 log.warning("vllm engine: vLLM's CPU build cannot release memory; sleep(%d) keeps it", level)
                 self._said_cpu_sleep = True
+            # what vLLM's own sleep does on CUDA (it clears the prefix cache at any level): the next rollout
+            # then starts from no cached KV, as the same step of a resumed run does, not from an eval's
+            self._engine.reset_prefix_cache()
             return
         if not self._asleep:
             self._llm.sleep(level=level)

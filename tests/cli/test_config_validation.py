@@ -72,7 +72,9 @@ def test_dry_run_names_the_device_it_will_run_on(capsys):
     code, out, _ = run_cli(capsys, ["train", "configs/tiny.yaml", "--dry-run", "--set", "launch.device=auto"])
     assert code == 0
     (line,) = [line for line in out.splitlines() if line.startswith("# launch:")]
-    device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     assert line == f"# launch: 1 x {device} (launch.device: auto)"
 
 

@@ -124,8 +124,15 @@ def test_stop_ids_and_eos_end_a_request(engine):
     assert r.finish_reason == "stop" and r.output_ids[-1] == stop and len(r.output_ids) <= 4
 
 
-def test_sleep_on_cpu_keeps_serving(engine):
+def test_sleep_on_cpu_keeps_serving_and_forgets_cached_prefixes_as_on_cuda(engine):
+    """vLLM's CUDA sleep clears the prefix cache at any level; on CPU colorl does the same, so a step after an
+    eval starts from the cache state the same step of a resumed run starts from (none)."""
+    pool = engine._core.scheduler.kv_cache_manager.block_pool
+    prompt = [5 + i % 150 for i in range(300)]  # several of vLLM's KV blocks, whatever size it picks on this CPU
+    engine.generate([GenerationRequest("long", prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=0))])
+    assert len(pool.cached_block_hash_to_block._cache) > 0  # full blocks of the prompt are cached
     engine.sleep(2)
+    assert len(pool.cached_block_hash_to_block._cache) == 0
     engine.wake()
     (r,) = engine.generate(requests(1, 1.0, "woken"))
     assert len(r.output_ids) == MAX_NEW

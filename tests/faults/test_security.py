@@ -4,7 +4,8 @@
   (or its relatives) reads a file; YAML goes through `safe_load`; no `trust_remote_code`.
 - Code is imported by name only from explicit config keys (`task.reward`, `task.options.row_map`),
   and engine backends only from colorl's own fixed table.
-- Run directories and everything in them are created with the user's umask (no chmod, no mkdtemp).
+- Run directories and everything in them are created with the user's umask (no chmod, no mkdtemp); the
+  caches of compiled code and kernel verdicts are the user's own folders (colorl/files.py closes them: 0700).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def unsafe_uses(source: str, rel: str) -> list[str]:
                     (rel, functions.get(id(node)), last) not in ALLOWED_DYNAMIC:
                 found.append(f"{where} {name}() outside user_code.import_named")
             elif name in ("os.chmod", "os.fchmod", "tempfile.mkdtemp") and rel.startswith("colorl/") and \
-                    rel not in ("colorl/models.py", "colorl/launch.py"):
+                    rel not in ("colorl/models.py", "colorl/launch.py", "colorl/files.py"):
                 found.append(f"{where} {name} (run files follow the user's umask)")
     return found
 
