@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup setup-gpu setup-vllm quickstart test test-avx2 test-torch-kernels test-all test-vllm bench docs clean
+.PHONY: setup setup-gpu setup-vllm quickstart test test-matrix test-avx2 test-torch-kernels test-all test-vllm bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ test-avx2: $(DEV_STAMP)
 # go the other way (an Intel Xeon's fp32 race picks MKL) computes with
 test-torch-kernels: $(DEV_STAMP)
 	COLORL_ONEDNN=0 COLORL_CPU_DECODE_ROWS=none $(BIN)/python -m pytest -q $(KERNEL_TESTS)
+
+# the whole-run matrix (marker `matrix`): every engine through both modes, sleep levels, LoRA, eval and resume,
+# fault drills, whole doctor, bench and CLI runs; slower than the default suite, so apart from it (CI runs both)
+test-matrix: $(DEV_STAMP)
+	$(BIN)/python -m pytest -q -m "matrix and not slow"
 
 test-all: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"

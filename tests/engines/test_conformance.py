@@ -144,6 +144,7 @@ def assert_common(lines: list[dict], steps: int, eta: int) -> None:
     assert len(trained) == len(set(trained))  # no prompt trained twice
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_colocated_sleep2_lora_eval_zero_variance_and_exact_resume(column, tmp_path):
     sets = [*RESUMABLE, LORA, "engine.sleep_level=2", "mode=colocated"]
@@ -164,6 +165,7 @@ def test_colocated_sleep2_lora_eval_zero_variance_and_exact_resume(column, tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_colocated_sleep1_full_weights_eval_zero_variance_bf16_serving(column, tmp_path):
     """The GPU dtype contract: fp32 master weights, the engine serving bf16 (cast once per sync)."""
@@ -173,6 +175,7 @@ def test_colocated_sleep1_full_weights_eval_zero_variance_bf16_serving(column, t
     assert_common(metrics(tmp_path / "run"), 2, eta=0)
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column, tmp_path):
     keep = engine_class(column.engine).keeps_kv_across_updates
@@ -196,6 +199,7 @@ def test_bounded_lag_lora_eval_zero_variance_batch_redundancy_and_resume(column,
     assert all(t in held or t >= saved["next_ticket"] for t in lines[2]["trained_problems"]), (saved, lines[2])
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_two_ranks_each_on_its_own_gpu(column, tmp_path):
     """The CUDA branches of a two-rank bounded-lag run with episodes and eval, on CPU under the
@@ -215,6 +219,7 @@ def test_two_ranks_each_on_its_own_gpu(column, tmp_path):
     assert all(r["env_errors"] == 0 for r in lines)  # the tool's device call found cuda:r current in its thread
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_bounded_lag_multi_turn_episodes(column, tmp_path):
     """Episodes with a scripted tool environment (tests/helpers/scripted_envs.py): each engine serves every
