@@ -75,12 +75,15 @@ class OthersLoad:
         return max(0.0, others / hertz / max(time.perf_counter() - self._wall, 1e-3))
 
 
+def _too_busy(others_cores: float | None) -> bool:
+    return others_cores is not None and others_cores > BUSY_CORES
+
+
 def machine_busy() -> bool:
     """Whether other processes use the CPUs now (a short look); False where the system does not say."""
     load = OthersLoad()
     time.sleep(QUIET_PROBE_S)
-    cores = load.cores()
-    return cores is not None and cores > BUSY_CORES
+    return _too_busy(load.cores())
 
 
 def race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> RaceResult:
@@ -102,7 +105,7 @@ def race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -
 
 
 def _busy(result: RaceResult) -> bool:
-    return result.others_cores is not None and result.others_cores > BUSY_CORES
+    return _too_busy(result.others_cores)
 
 
 def stable_race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> dict:
