@@ -19,6 +19,7 @@ FIGURES = (
 CHARTS = ("frontier.png", "reward.png", "time.png", "staleness_hist.png")
 
 
+@pytest.mark.matrix
 def test_two_variants_side_by_side_and_failing_variants_do_not_stop_the_others(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "configs/tiny.yaml", "--steps", "3", "--warmup", "1", "--out", str(out),
@@ -123,6 +124,7 @@ def test_figures_of_a_bounded_lag_run_use_its_own_counts_and_skip_the_warmup():
     assert figures["iqs_measured"] is None and figures["pqs_measured"] == 0.5
 
 
+@pytest.mark.matrix
 def test_one_step_warns_and_its_reward_chart_draws_points(tmp_path, capsys, monkeypatch):
     from colorl.bench import plots
 

@@ -24,6 +24,7 @@ def test_cases_cover_every_mode_sleep_level_and_lora_setting():
                      "native/colocated/sleep2/lora", "native/bounded_lag/full", "native/bounded_lag/lora"]
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_reduced_cases_pass_with_one_verdict_each_memory_and_a_report(tmp_path, capsys):
     cases = ["native/colocated/sleep2/lora", "hf/bounded_lag/full"]
@@ -43,6 +44,7 @@ def test_reduced_cases_pass_with_one_verdict_each_memory_and_a_report(tmp_path, 
     assert {row["phase"] for row in rank0["memory"]} >= {"rollout", "train", "sync"}
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(300)
 def test_a_weight_mismatch_after_a_sync_fails_its_case(tmp_path, capsys, monkeypatch):
     from doctor_faults import rank_with_corrupt_sync

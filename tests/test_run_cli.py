@@ -10,6 +10,8 @@ from colorl.cli import main
 from colorl.metrics.display import eta_seconds
 from colorl.resume import config_changes
 
+pytestmark = pytest.mark.matrix  # whole colorl train runs through the CLI: make test-matrix
+
 HELPERS = str(Path(__file__).parent / "helpers")
 SETS = ["rollout.engine=hf", "task.reward=reward_fns:digit_fraction", "rollout.batch_groups=2",
         "rollout.max_new_tokens=8", "run.save_every=1", "run.eval_every=1", "run.eval_prompts=4"]

@@ -13,6 +13,8 @@ forever for a store that never started.
 """
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -20,6 +22,8 @@ import sys
 from pathlib import Path
 
 from colorl.distributed import free_port
+
+pytestmark = pytest.mark.matrix  # whole runs under torchrun: make test-matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]

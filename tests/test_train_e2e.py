@@ -12,6 +12,8 @@ from colorl.cli import main
 from colorl.config import load_config
 from colorl.distributed import run_world
 
+pytestmark = pytest.mark.matrix  # whole colorl train runs, one and two ranks: make test-matrix
+
 HELPERS = str(Path(__file__).parent / "helpers")
 
 

@@ -15,6 +15,8 @@ import pytest
 
 import drill
 
+pytestmark = pytest.mark.matrix  # fault drills: whole runs killed and resumed: make test-matrix
+
 PHASES = ("rollout", "train", "sync", "eval", "checkpoint")
 DEFAULT = {("kill", "checkpoint")}
 CASES = [pytest.param(f, p, marks=() if (f, p) in DEFAULT else pytest.mark.slow, id=f"{f}-{p}")

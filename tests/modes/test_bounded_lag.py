@@ -19,6 +19,8 @@ from colorl.cli import main
 from colorl.config import load_config
 from colorl.distributed import run_world
 
+pytestmark = pytest.mark.matrix  # whole bounded-lag runs: make test-matrix
+
 HELPERS = str(Path(__file__).parents[1] / "helpers")
 BASE = ["task.reward=reward_fns:digit_fraction", "rollout.batch_groups=4", "rollout.max_new_tokens=12",
         "mode=bounded_lag"]

@@ -13,6 +13,8 @@ import pytest
 
 from colorl.cli import main
 
+pytestmark = pytest.mark.matrix  # whole multi-turn runs: make test-matrix
+
 HELPERS = str(Path(__file__).resolve().parents[1] / "helpers")
 BASE = ["run.steps=3", "rollout.batch_groups=4", "rollout.max_new_tokens=6", "task.max_turns=4",
         "task.episode_tokens=400"]
