@@ -12,6 +12,7 @@ from colorl.api import RunFailed
 HELPERS = str(Path(__file__).parent / "helpers")
 
 
+@pytest.mark.matrix
 def test_train_from_python_returns_the_run_and_its_metrics(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(HELPERS)
     config = yaml.safe_load(Path("configs/tiny.yaml").read_text())

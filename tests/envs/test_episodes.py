@@ -266,6 +266,7 @@ def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
     return _drive(engine, setup, 6, update if mode != "colocated" else lambda rollouts, steps: None)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("mode", ["colocated", "keep", "recompute"])
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_episodes_under_each_chat_template_in_both_modes(template_engine, name, mode):

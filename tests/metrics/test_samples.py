@@ -1,6 +1,8 @@
 """The model's own words: samples decoded to RUN_DIR/samples.jsonl and on screen every run.log_samples_every steps."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -15,6 +17,7 @@ def _train(run_dir: Path, *sets: str) -> int:
                  "--run-dir", str(run_dir)])
 
 
+@pytest.mark.matrix
 def test_samples_are_written_and_shown_every_n_steps(tmp_path, monkeypatch, capfd):
     monkeypatch.syspath_prepend(HELPERS)
     assert _train(tmp_path / "run", "run.steps=3", "run.log_samples_every=2") == 0
@@ -30,6 +33,7 @@ def test_samples_are_written_and_shown_every_n_steps(tmp_path, monkeypatch, capf
     assert out.count("sample at step ") == 2 and ("best reward" in out or "sample reward" in out)
 
 
+@pytest.mark.matrix
 def test_no_samples_with_zero(tmp_path, monkeypatch, capfd):
     monkeypatch.syspath_prepend(HELPERS)
     assert _train(tmp_path / "run", "run.steps=1", "run.log_samples_every=0") == 0
