@@ -208,6 +208,8 @@ def test_two_ranks_each_on_its_own_gpu(column, tmp_path):
     "cuda"), and every thread that uses the current device has made cuda:r current first."""
     from device_recorder import on_own_gpu
 
+    if column.engine == "vllm":  # its CUDA branch needs vLLM's CUDA build (sleep mode); no stand-in plays it yet
+        pytest.skip("vLLM's CPU build refuses the CUDA branch's options (enable_sleep_mode): issue 29's stand-in")
     keep = engine_class(column.engine).keeps_kv_across_updates
     sets = ["run.steps=2", "launch.nproc=2", "mode=bounded_lag", "staleness.max=1", "rollout.batch_groups=2",
             f"staleness.partial_rollout={'keep' if keep else 'recompute'}", "task.reward=null",
