@@ -113,7 +113,7 @@ def openmp_runtime() -> Path:
     raise LoopsUnavailable("torch's OpenMP runtime was not found, and a second runtime would fight torch's threads")
 
 
-def _openmp_compile_flags(command: list[str], version: str) -> tuple[str, ...]:
+def _openmp_compile_flags(version: str) -> tuple[str, ...]:
     if "Apple" in version or platform.system() == "Darwin":  # Apple clang takes OpenMP only through the preprocessor
         return ("-Xpreprocessor", "-fopenmp")
     return ("-fopenmp",)
@@ -151,7 +151,7 @@ class Builder:
         except (OSError, subprocess.SubprocessError) as exc:
             raise LoopsUnavailable(f"the C compiler {self.command[0]} does not run ({exc})") from None
         self.runtime = openmp_runtime()
-        self.compile_flags = (f"-march={march()}", *COMPILE_FLAGS, *_openmp_compile_flags(self.command, self.version))
+        self.compile_flags = (f"-march={march()}", *COMPILE_FLAGS, *_openmp_compile_flags(self.version))
         self.build = _digest([SOURCE.read_text(), HEADER.read_text(), " ".join(self.compile_flags),
                               " ".join(self.command), self.version, machine_key(), str(self.runtime)])
         self.library = self.folder / f"{self.build}.so"
