@@ -41,14 +41,20 @@ def neighbours():
 
 def test_a_quiet_race_gives_the_candidate_only_a_clear_win():
     verdict = verdicts.stable_race(products())
-    assert verdict["won"] == ["clear"]
-    assert all(len(passes) >= (1 if verdict["busy"] else 2) for passes in verdict["seconds"].values())
+    if verdict["busy"]:  # a shared CI machine may be busy now: then nothing is decided, as the next test shows
+        assert verdict["won"] == [] and all(len(passes) == 1 for passes in verdict["seconds"].values())
+    else:
+        assert verdict["won"] == ["clear"]
+        assert all(len(passes) >= 2 for passes in verdict["seconds"].values())
 
 
-def test_a_race_beside_busy_neighbours_picks_what_a_quiet_race_picks_and_says_it_was_busy(neighbours):
+def test_a_race_beside_busy_neighbours_keeps_the_baseline_and_says_it_was_busy(neighbours):
+    """Beside a neighbour on each core the best of five rounds gave the tie a 6x win and lost the 2x one on a
+    Zen 3, and lost the 2x one on CI: a busy race decides nothing, and its verdict is provisional."""
     verdict = verdicts.stable_race(products())
-    assert verdict["won"] == ["clear"]  # the best of alternating rounds sees through the neighbours
-    assert verdict["busy"] and verdict["others_cores"] > verdicts.BUSY_CORES  # and the verdict is provisional
+    assert verdict["busy"] and verdict["others_cores"] > verdicts.BUSY_CORES
+    assert verdict["won"] == []
+    assert all(len(passes) == 1 for passes in verdict["seconds"].values())  # no more of a busy machine's time
 
 
 def test_machine_busy_sees_neighbours(neighbours):
