@@ -16,6 +16,11 @@ to the slower kernel for good. So a race here:
   is kept as provisional and raced again by the first process that finds the machine quiet.
 Verdicts are keyed by the machine (colorl.machine.machine_key) and by the name the caller gives, which
 names the thread count: a verdict at 2 threads does not decide for 1.
+
+A quiet race can still be wrong for what a run does (a machine that changed under the same key, a race
+fooled by what /proc/stat does not see), so a run also checks a verdict against its own timings of the
+kernel it chose (`VerdictWatch`): a clear contradiction on a quiet machine marks the machine's verdict
+stale, and the next process races it again. The run itself keeps computing with it (its record stays).
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ MARGIN = 0.05  # the candidate must be this much faster to win an item
 ROUNDS = 5
 BUSY_CORES = 0.3  # other processes' average CPU use (in cores) above which a race is provisional
 QUIET_PROBE_S = 0.1
+CONTRADICTION = 1.5  # a run's own timing this many times the race's, for the kernel it chose, contradicts it
+OBSERVATIONS = 5  # a contradiction holds for the fastest of this many timings of one item (a neighbour only adds)
+WINDOW_S = 10.0  # ... taken within this many seconds, so that the load read over them describes each
 
 Product = Callable[[], object]
 
@@ -237,8 +245,9 @@ def _usable(verdict, keys: tuple[str, ...]) -> bool:
 
 def measured_verdict(name: str, measure: Callable[[], dict], keys: tuple[str, ...] = ()) -> dict:
     """What `measure()` found on this machine for `name` (a dict holding `keys`), measured once and kept.
-    A verdict that `measure` marked `busy` (taken while other processes used the CPUs) is measured again
-    by the first process that finds the machine quiet, unless the run being resumed already used it."""
+    A verdict that `measure` marked `busy` (taken while other processes used the CPUs), or that a run's own
+    timings contradicted (`stale`, VerdictWatch), is measured again by the first process that finds the
+    machine quiet, unless the run being resumed already used it."""
     from colorl.machine import machine_key
 
     key = f"{machine_key()} {name}"
@@ -249,7 +258,7 @@ def measured_verdict(name: str, measure: Callable[[], dict], keys: tuple[str, ..
             return verdict
 
     def needs_measuring(verdict) -> bool:
-        return not _usable(verdict, keys) or (verdict.get("busy") and not machine_busy())
+        return not _usable(verdict, keys) or ((verdict.get("busy") or verdict.get("stale")) and not machine_busy())
 
     with _verdicts_lock():  # the ranks of a run start together: one measures, the others wait and read
         if run is not None:
@@ -268,3 +277,76 @@ def measured_verdict(name: str, measure: Callable[[], dict], keys: tuple[str, ..
         if run is not None:
             _write_verdicts(run, {**read_verdicts(run), key: verdict})
     return verdict
+
+
+def chosen_seconds(verdict: dict, item: Hashable) -> float | None:
+    """The race's best seconds for the kernel `verdict` chose for `item`: the candidate where it won the item,
+    else the baseline; None where the race timed no such item (a forced or older verdict)."""
+    passes = verdict.get("seconds", {}).get(str(item))
+    if not passes:
+        return None
+    chosen = 0 if str(item) in {str(won) for won in verdict.get("won", ())} else 1
+    return min(seconds[chosen] for seconds in passes)
+
+
+def mark_stale(name: str, verdict: dict, reason: dict) -> bool:
+    """Marks the machine's verdict for `name` stale, so that the next process races it again, if it is still
+    `verdict` (another process may have raced it again meanwhile). Never the run's own record: a run and its
+    resume keep computing with the kernels the run chose. Whether it marked."""
+    from colorl.machine import machine_key
+
+    key = f"{machine_key()} {name}"
+    with _verdicts_lock():
+        verdicts = read_verdicts(verdicts_path())
+        kept = verdicts.get(key)
+        if not isinstance(kept, dict) or kept.get("stale") or kept.get("measured") != verdict.get("measured"):
+            return False
+        kept["stale"] = reason
+        _write_verdicts(verdicts_path(), verdicts)
+    return True
+
+
+@dataclass
+class _Window:
+    load: OthersLoad
+    started: float
+    seconds: list[float]
+
+
+class VerdictWatch:
+    """Checks one verdict against a run's own timings of the kernels it chose, item by item. Each timing is of
+    the race's work for that item (the caller scales what it timed to it). When the fastest of OBSERVATIONS
+    timings of an item, taken within WINDOW_S while other processes left the CPUs quiet, is CONTRADICTION times
+    what the race recorded for the chosen kernel, the machine's verdict is marked stale (`mark_stale`), once,
+    with one line on stderr. A busy window, or one where the system does not say how busy it was, marks
+    nothing: a neighbour's moment must not cost every later process a race."""
+
+    def __init__(self, name: str, verdict: dict) -> None:
+        self.name = name
+        self.verdict = verdict  # the one this process computes with
+        self.stale = False
+        self._windows: dict[str, _Window] = {}
+
+    def observe(self, item: Hashable, seconds: float) -> None:
+        raced = chosen_seconds(self.verdict, item)
+        if self.stale or raced is None:
+            return
+        now = time.perf_counter()
+        window = self._windows.get(str(item))
+        if window is None or now - window.started > WINDOW_S:
+            window = self._windows[str(item)] = _Window(OthersLoad(), now, [])
+        window.seconds.append(seconds)
+        if len(window.seconds) < OBSERVATIONS:
+            return
+        del self._windows[str(item)]
+        others = window.load.cores()
+        fastest = min(window.seconds)
+        if others is None or _too_busy(others) or fastest <= CONTRADICTION * raced:
+            return
+        self.stale = True
+        reason = {"item": str(item), "observed": round(fastest, 7), "raced": round(raced, 7),
+                  "others_cores": round(others, 2), "noticed": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if mark_stale(self.name, self.verdict, reason):
+            warn_once(f"the kernel verdict '{self.name}' looks wrong: at {item} this run took {fastest / raced:.1f}x "
+                      f"the time its race recorded for the kernel it chose, on a quiet machine; the next process "
+                      f"races it again (this run keeps its kernels)")

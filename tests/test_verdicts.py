@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,76 @@ def test_a_run_and_its_resume_keep_the_verdicts_the_run_chose(cache, tmp_path, m
     verdicts.record_in_run(run)  # the resume
     never, calls = counting({"won": [], "busy": False})
     assert verdicts.measured_verdict("v", never, keys=("won",))["won"] == ["x"] and not calls
+
+
+def others_using(cores: float | None):
+    """What other processes used of the CPUs over any window, as /proc/stat would say it (None: it does not)."""
+    return lambda: types.SimpleNamespace(cores=lambda: cores)
+
+
+RACED = {"won": [1], "busy": False, "seconds": {"1": [[0.001, 0.002], [0.0011, 0.002]],  # the candidate's
+                                                "2": [[0.0021, 0.002], [0.0022, 0.002]]}}  # the baseline's
+
+
+@pytest.fixture
+def run_record(cache, tmp_path):
+    """A run that raced verdict "v" (RACED) and keeps it in its own record."""
+    run = tmp_path / "run" / "kernels.json"
+    run.parent.mkdir()
+    verdicts.record_in_run(run)
+    measure, _ = counting(RACED)
+    return run, verdicts.measured_verdict("v", measure, keys=("won",))
+
+
+def machine_verdict(cache: Path) -> dict:
+    return json.loads((cache / "kernels.json").read_text())[f"{machine_key()} v"]
+
+
+def test_a_verdict_a_quiet_run_contradicts_is_marked_stale_and_raced_again_by_the_next_process(
+        cache, run_record, monkeypatch, capsys):
+    """The run took 10x what the race recorded for the kernel it chose at 1 row, in each of several steps: the
+    machine's verdict is marked stale and the next process races it again; the run's own record, which a
+    resume computes with, is left as it was."""
+    run, verdict = run_record
+    recorded = run.read_text()
+    monkeypatch.setattr(verdicts, "OthersLoad", others_using(0.0))
+    watch = verdicts.VerdictWatch("v", verdict)
+    for _ in range(verdicts.OBSERVATIONS - 1):
+        watch.observe(1, 0.01)
+    assert "stale" not in machine_verdict(cache)  # not yet several steps
+    watch.observe(1, 0.01)
+    assert machine_verdict(cache)["stale"]["item"] == "1" and watch.stale
+    err = capsys.readouterr().err
+    assert "'v'" in err and "races it again" in err and len(err.splitlines()) == 1
+    assert run.read_text() == recorded
+    verdicts.record_in_run(None)  # the next process
+    monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
+    again, calls = counting({"won": [], "busy": False})
+    assert verdicts.measured_verdict("v", again, keys=("won",))["won"] == [] and calls
+    assert "stale" not in machine_verdict(cache)
+
+
+@pytest.mark.parametrize("others", [2.0, None], ids=["busy", "unknown"])
+def test_a_run_on_a_busy_machine_marks_nothing(cache, run_record, monkeypatch, others):
+    _, verdict = run_record
+    monkeypatch.setattr(verdicts, "OthersLoad", others_using(others))
+    watch = verdicts.VerdictWatch("v", verdict)
+    for _ in range(3 * verdicts.OBSERVATIONS):
+        watch.observe(1, 0.01)
+    assert "stale" not in machine_verdict(cache) and not watch.stale
+
+
+def test_timings_consistent_with_the_chosen_kernels_mark_nothing(cache, run_record, monkeypatch):
+    """1 row ran on the candidate (0.001 s raced), 2 rows on the baseline (0.002 s): a run within
+    CONTRADICTION of those agrees with the verdict, though 2 rows' time is far above the candidate's."""
+    _, verdict = run_record
+    monkeypatch.setattr(verdicts, "OthersLoad", others_using(0.0))
+    watch = verdicts.VerdictWatch("v", verdict)
+    for _ in range(3 * verdicts.OBSERVATIONS):
+        watch.observe(1, 0.0014)
+        watch.observe(2, 0.0029)
+        watch.observe(3, 1.0)  # an item the race did not time: nothing to compare with
+    assert "stale" not in machine_verdict(cache) and not watch.stale
 
 
 def test_a_damaged_verdicts_file_is_said_once_raced_again_and_replaced(cache, capsys):

@@ -291,6 +291,50 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("raced_seconds, contradicted", [(1e-12, True), (1e3, False)])
+def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_next_process(
+        compiled, tiny_model_dir, tmp_path, monkeypatch, raced_seconds, contradicted):
+    """The race's recorded seconds far below (or above) what this run's decode steps take at the same
+    bytes streamed, on a quiet machine: the machine's verdict is marked stale (or not), the next process
+    races it again, and the run's own record stays as the run used it."""
+    import types
+
+    from colorl import verdicts
+    from colorl.machine import machine_key
+
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("COLORL_CPU_DECODE_ROWS", raising=False)
+    raced = []
+
+    def race(library, dtype):
+        raced.append(dtype)
+        seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
+        return {"won": [1, 2], "busy": False, "seconds": seconds}
+
+    monkeypatch.setattr(cpu_decode, "race_rows", race)
+    monkeypatch.setattr(cpu_decode, "RACE_BYTES", 1)  # the tiny model's weights count as a stream from memory
+    monkeypatch.setattr(verdicts, "OthersLoad", lambda: types.SimpleNamespace(cores=lambda: 0.0))  # quiet
+    monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    monkeypatch.setattr(cpu_decode, "load", lambda: library)
+    run = tmp_path / "run" / "kernels.json"
+    run.parent.mkdir()
+    verdicts.record_in_run(run)
+    key = f"{machine_key()} {library.rows_verdict_name(torch.float32, torch.get_num_threads())}"
+    try:
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4))
+        params = SamplingParams(temperature=0.0, max_new_tokens=3 * verdicts.OBSERVATIONS, ignore_eos=True)
+        eng.generate([GenerationRequest("a", [10, 11, 12], params)])
+        machine = json.loads((tmp_path / "cache" / "kernels.json").read_text())[key]
+        assert ("stale" in machine) == contradicted
+        assert "stale" not in json.loads(run.read_text())[key]
+        verdicts.record_in_run(None)  # the next process
+        cpu_decode.CpuDecode(compiled._lib, compiled.build).rows_won(torch.float32)
+        assert len(raced) == (2 if contradicted else 1)
+    finally:
+        verdicts.record_in_run(None)
+
+
 @pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_ROWS + 1))), ("none", set()),
                                          ("1,3", {1, 3})])
 def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):

@@ -28,6 +28,7 @@ import torch
 
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, oneDNN's ground
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
+RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
 RACE_ROUNDS = 3
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -136,11 +137,32 @@ class CpuDecode:
         return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
 
     @functools.cache
-    def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
+    def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:
         from colorl.verdicts import measured_verdict
 
-        verdict = measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype), keys=("won",))
-        return frozenset(int(rows) for rows in verdict["won"])
+        return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype), keys=("won",))
+
+    @functools.cache
+    def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
+        return frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["won"])
+
+    @functools.cache
+    def _rows_watch(self, dtype: torch.dtype, threads: int):
+        from colorl.verdicts import VerdictWatch
+
+        return VerdictWatch(self.rows_verdict_name(dtype, threads), self._rows_verdict(dtype, threads))
+
+    def observe_decode(self, dtype: torch.dtype, rows: int, seconds: float, weight_bytes: int, kv_bytes: int) -> None:
+        """A decode step's `seconds` over its layers, at `rows` sequences, checked against the rows verdict it ran
+        by (colorl.verdicts.VerdictWatch). Comparable: the race times products that stream RACE_BYTES of weights
+        no cache holds, and such a step streams its layers' weights and each sequence's K/V once, the rest of
+        its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
+        second it streamed. Steps over fewer weight bytes than the race's (a model a cache holds, whose calls
+        weigh more) and forced verdicts are not checked."""
+        if weight_bytes < RACE_BYTES or dtype not in DTYPES or forced_rows() is not None:
+            return
+        watch = self._rows_watch(dtype, torch.get_num_threads())
+        watch.observe(rows, seconds * RACE_BYTES / (weight_bytes + kv_bytes))
 
     @_timed("products")
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

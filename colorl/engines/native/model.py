@@ -19,6 +19,7 @@ dict loads without conversion. Layout choices, invisible from outside:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -89,6 +90,11 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_matrix_elements(self) -> int:
+        """The elements of one decoder layer's matrices (q/k/v, o, gate/up, down): what its products read."""
+        return self.hidden_size * (2 * self.q_size + 2 * self.kv_size + 3 * self.intermediate_size)
 
 
 # ---------------------------------------------------------------- attention metadata
@@ -353,6 +359,7 @@ class CausalLM(nn.Module):
             cos, sin = self.rotary(step.positions, step.max_position, x.dtype)
             cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         delta = None
+        started = time.perf_counter()
         fused = self._whole_layers(step, compiled, x, kv_cache.shape[1])
         if fused is not None:  # one compiled call per layer
             inputs, scratch = fused
@@ -361,6 +368,8 @@ class CausalLM(nn.Module):
         else:
             for layer, cache in zip(self.layers, kv_cache):
                 x, delta = layer(x, delta, cos, sin, cache, step, compiled)
+        if compiled is not None:
+            self._observe_decode(step, compiled, x.dtype, time.perf_counter() - started)
         rows = step.logit_rows
         _, x = self.norm.add_forward(x.index_select(0, rows), None if delta is None else delta.index_select(0, rows),
                                      compiled)  # [N, hidden]
@@ -392,6 +401,17 @@ class CausalLM(nn.Module):
         scratch = torch.empty(tokens * (2 * s.hidden_size + width + s.num_heads * s.head_dim + 3 * s.intermediate_size),
                               dtype=x.dtype)
         return inputs, scratch
+
+    def _observe_decode(self, step: StepInputs, compiled: CpuDecode, dtype: torch.dtype, seconds: float) -> None:
+        """Hands a step of one-token decodes' time over its layers to the check of the rows verdict it ran by
+        (`CpuDecode.observe_decode`), with the bytes those layers streamed: their weights, each sequence's K/V."""
+        group = step.groups[0] if len(step.groups) == 1 else None
+        if group is None or group.lengths is None or group.batch > cpu_decode.MAX_ROWS:
+            return
+        s = self.spec
+        weight_bytes = s.num_layers * s.layer_matrix_elements * dtype.itemsize
+        kv_bytes = int(group.lengths.sum()) * 2 * s.kv_size * dtype.itemsize * s.num_layers
+        compiled.observe_decode(dtype, group.batch, seconds, weight_bytes, kv_bytes)
 
     def _head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
