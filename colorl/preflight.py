@@ -64,11 +64,18 @@ def check_user_code(cfg) -> None:
     from colorl.tasks.rewards import resolve_reward
     from colorl.user_code import UserCodeError
 
-    if cfg.task.reward:
+    from colorl.tasks.weighted_rewards import TASK_REWARD
+
+    listed = isinstance(cfg.task.reward, list)
+    for i, spec in enumerate(cfg.task.reward if listed else [cfg.task.reward] if cfg.task.reward else []):
+        key = f"task.reward[{i}]" if listed else "task.reward"
+        if listed and spec == TASK_REWARD:
+            continue
         try:
-            resolve_reward(cfg.task.reward)
+            resolve_reward(spec)
         except UserCodeError as exc:
-            raise ConfigError(f"task.reward={cfg.task.reward!r}: {exc}") from None
+            also = f" or {TASK_REWARD!r} (the task's own reward)" if listed and str(exc).startswith("expected") else ""
+            raise ConfigError(f"{key}={spec!r}: {exc}{also}") from None
     if cfg.task.env:
         try:
             check_env_options(resolve_env(cfg.task.env), cfg.task.env_options)

@@ -91,13 +91,17 @@ def _clock(seconds: float | None) -> str:
 
 class Display:
     def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True,
-                 eta: int | None = None, episodes: bool = False, temperature: float = 1.0) -> None:
+                 eta: int | None = None, episodes: bool = False, temperature: float = 1.0,
+                 reward_names: list[str] | tuple[str, ...] = ()) -> None:
         """eta: bounded-lag mode's staleness bound η (None in colocated mode); episodes: task.env is set;
-        temperature: the rollout's, which the training accuracy is sampled at."""
+        temperature: the rollout's, which the training accuracy is sampled at; reward_names: the functions
+        of a weighted task.reward list, each mean shown under the total."""
         self.console = Console(stderr=False)
         self.total, self.first, self.title, self.eta, self.episodes = total_steps, first_step, title, eta, episodes
         self.temperature = temperature
-        shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ()) + (_SHOWN_EPISODES if episodes else ())
+        self.reward_parts = tuple((f"reward/{name}", f"reward/{name}", "{:.3f}") for name in reward_names)
+        shown = (_SHOWN[:1] + self.reward_parts + _SHOWN[1:] + (_SHOWN_BOUNDED_LAG if eta is not None else ())
+                 + (_SHOWN_EPISODES if episodes else ()))
         self.shown = tuple((label.format(temperature=temperature), key, fmt) for label, key, fmt in shown)
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
@@ -171,7 +175,8 @@ class Display:
             self._live.stop()
         if not self.enabled or not history:
             return
-        columns = [("step", "step", "{}"), ("reward", "reward_mean", "{:.3f}"), ("train acc", "accuracy", "{:.1%}"),
+        columns = [("step", "step", "{}"), ("reward", "reward_mean", "{:.3f}"), *self.reward_parts,
+                   ("train acc", "accuracy", "{:.1%}"),
                    ("held-out", "eval_accuracy", "{:.1%}"), ("resp len", "response_len_mean", "{:.1f}"),
                    ("loss", "loss", "{:+.4f}"), ("step s", "time_step_s", "{:.1f}")]
         if self.eta is not None:

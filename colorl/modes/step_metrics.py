@@ -128,10 +128,21 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,
         "trained_problems": _gather([g.problem_index for g in groups]),
+        **reward_part_means(groups, n),
         **(episode_metrics(groups, times.env_wait if colocated else window.env_wait_s,
                            t_rollout if colocated else wall_sum / world) if ctx.episodes else {}),
         **cuda_memory(times),
     }
+
+
+def reward_part_means(groups: list[Group], samples: float) -> dict:
+    """With several reward functions, each one's mean over the step's samples, all ranks: `reward/<name>`
+    (their weighted sum is `reward_mean`). Every rank lists the same functions: the config's."""
+    names = sorted({name for g in groups for name in g.reward_parts})
+    if not names:
+        return {}
+    sums = _reduce([sum(x for g in groups for x in g.reward_parts.get(name, ())) for name in names], dist.ReduceOp.SUM)
+    return {f"reward/{name}": total / max(samples, 1) for name, total in zip(names, sums)}
 
 
 def episode_metrics(groups: list[Group], env_wait_s: float, rollout_wall_s: float) -> dict:

@@ -36,6 +36,7 @@ from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment
                          parse_tool_calls)
 from colorl.envs.base import TRUNCATED_BY_TOKENS, TRUNCATED_BY_TURNS, EpisodeRecord
 from colorl.tasks.base import Problem
+from colorl.tasks.weighted_rewards import WeightedRewards
 
 ENV_POLL_S = 0.005  # how long a step waits on an environment when the engine has nothing to decode
 TURN_SEED_STRIDE = 1_000_003  # turn t of a sample samples with seed + t * stride (mod 2**31): each turn its own stream
@@ -307,5 +308,15 @@ class Rollouts:
 def sample_rewards(problem: Problem, results: list[GenerationResult], reward_fn: Callable,
                    decode: Callable[[list[int]], str]) -> list[float]:
     """Each sample's reward: an episode's from its environment, a completion's from the task's reward."""
-    return [r.episode.reward if r.episode is not None else reward_fn(problem.prompt, decode(r.output_ids), problem.answer)
-            for r in results]
+    return score_samples(problem, results, reward_fn, decode)[0]
+
+
+def score_samples(problem: Problem, results: list[GenerationResult], reward_fn: Callable,
+                  decode: Callable[[list[int]], str]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each sample's reward, and with several reward functions (`WeightedRewards`) each one's score per
+    sample, for its own metric; {} otherwise."""
+    if not isinstance(reward_fn, WeightedRewards):
+        return [r.episode.reward if r.episode is not None else reward_fn(problem.prompt, decode(r.output_ids), problem.answer)
+                for r in results], {}
+    scored = [reward_fn.parts(problem.prompt, decode(r.output_ids), problem.answer) for r in results]
+    return [reward_fn.total(parts) for parts in scored], {name: [p[name] for p in scored] for name in reward_fn.names}
