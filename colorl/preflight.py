@@ -97,10 +97,11 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     from colorl.config import ConfigError
     from colorl.engines import engine_class
     from colorl.models import (
-        ALIASES, ModelNotFound, cache_root, context_length, encode_chat, is_hub_id, load_tokenizer,
+        ALIASES, ModelNotFound, cache_root, context_length, is_hub_id, load_tokenizer,
         resolve_model_path,
     )
     from colorl.tasks import build_task
+    from colorl.tasks.chat import problem_ids
 
     check_user_code(cfg)
     cached = cache_root() / "models" / cfg.model.path
@@ -123,7 +124,7 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     problems = [task.train_problem(i) for i in range(PROMPTS_CHECKED)] + task.eval_problems(cfg.run.eval_prompts)
     tokenizer = load_tokenizer(model_dir)
     try:
-        longest = max(len(encode_chat(tokenizer, p.prompt, cfg.model.system_prompt)) for p in problems)
+        longest = max(len(problem_ids(tokenizer, p, cfg.model.system_prompt)) for p in problems)
     except Exception as exc:  # tokenizer / template errors come in many types
         raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

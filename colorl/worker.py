@@ -26,9 +26,10 @@ from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
 from colorl.rollout.episodes import EpisodeSetup
-from colorl.models import context_length, encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
+from colorl.models import context_length, eos_token_ids, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
-from colorl.tasks import Task, build_task
+from colorl.tasks import Problem, Task, build_task
+from colorl.tasks.chat import problem_ids
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
 from colorl.tasks.weighted_rewards import WeightedRewards, reward_terms
 from colorl.threads import pinned
@@ -66,16 +67,16 @@ class RankContext:
     history: list[dict] = field(default_factory=list)
     # this rank's intra-op thread budget, as the launcher set it from the cores the rank may use
     rank_threads: int = field(default_factory=torch.get_num_threads)
-    _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+    _prompt_cache: dict[Problem, list[int]] = field(default_factory=dict)
 
     @property
     def groups_per_rank(self) -> int:
         return self.cfg.rollout.batch_groups // self.world
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        if prompt not in self._prompt_cache:
-            self._prompt_cache[prompt] = encode_chat(self.tokenizer, prompt, self.cfg.model.system_prompt)
-        return self._prompt_cache[prompt]
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        if problem not in self._prompt_cache:
+            self._prompt_cache[problem] = problem_ids(self.tokenizer, problem, self.cfg.model.system_prompt)
+        return self._prompt_cache[problem]
 
     def problem_indices(self, step: int) -> range:
         """This rank's slice of step `step`'s problems in the task's one seeded stream."""

@@ -238,7 +238,7 @@ class RolloutProducer:
         step, position = divmod(ticket, per_step)
         if step not in self._step_cache:
             indices = list(self.ctx.problem_indices(step))
-            prompts = [self.ctx.prompt_ids(self.ctx.task.train_problem(i).prompt) for i in indices]
+            prompts = [self.ctx.prompt_ids(self.ctx.task.train_problem(i)) for i in indices]
             tickets = [str(step * per_step + j) for j in range(per_step)]
             self._step_cache = {s: v for s, v in self._step_cache.items() if s >= step - 1}
             self._step_cache[step] = (indices, step_requests(
