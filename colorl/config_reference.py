@@ -64,7 +64,8 @@ NOTES: dict[str, str] = {
     "model.lora.targets": "Module names that get adapters.",
     "model.system_prompt": "System turn put before every prompt; null: none.",
     "task.name": "Where problems and rewards come from (docs/tasks.md).",
-    "task.path": "jsonl: the file of `{\"prompt\", \"answer\"}` lines (or conversational: `messages` turns, docs/tasks.md); hf_dataset: a `save_to_disk` "
+    "task.path": "jsonl: the file of `{\"prompt\", \"answer\"}` lines (or conversational: `messages` turns, "
+                 "docs/tasks.md); hf_dataset: a `save_to_disk` "
                  "folder, a JSON/JSONL/Parquet file, or a hub id in the local cache.",
     "task.eval_path": "Held-out problems from another file; null: a seeded slice of `task.path`.",
     "task.reward": "Your reward `module:function` taking `(prompt, completion, answer) -> float`; "
