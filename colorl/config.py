@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -68,7 +69,9 @@ class TaskConfig(Section):
     name: Literal["arithmetic", "countdown", "jsonl", "hf_dataset"] = "arithmetic"
     path: Optional[str] = None  # jsonl: file with {"prompt", "answer"} lines
     eval_path: Optional[str] = None
-    reward: Optional[str] = None  # "module:function"
+    # "module:function", or a list of them ("task": the task's own reward) summed with reward_weights
+    reward: Union[str, list[str], None] = None
+    reward_weights: Optional[list[float]] = None  # one per function of task.reward; null: 1 each
     reward_timeout_s: float = Field(5.0, gt=0)
     options: dict[str, Any] = {}  # task-specific knobs, checked by the task itself
     # multi-turn episodes: a registered environment ("calculator") or "module:Class" (docs/tasks.md);
@@ -207,6 +210,7 @@ class Config(Section):
                              "multi-turn episodes (task.env): use task.turn_tokens and task.episode_tokens")
         if self.task.env_options and not self.task.env:
             raise ValueError("task.env_options are the environment's arguments: set task.env too")
+        check_reward_list(self.task.reward, self.task.reward_weights)
         if self.task.env and self.task.reward:
             raise ValueError("task.reward: with task.env the environment gives each episode's reward; set one or the other")
         if self.rollout.engine == "sglang" and self.launch.device == "cpu":
@@ -221,6 +225,30 @@ class Config(Section):
     def rollouts_per_step(self) -> int:
         """B = G·S, over all ranks."""
         return self.rollout.batch_groups * self.rollout.group_size
+
+
+def check_reward_list(reward, weights) -> None:
+    """The list form of task.reward (TRL's reward_funcs + reward_weights): one weight per function,
+    finite weights, names whose metrics (`reward/<function>`) do not collide."""
+    if weights is None:
+        if reward == []:
+            raise ValueError("task.reward=[]: give at least one reward function, or null for the task's own")
+        specs = reward if isinstance(reward, list) else []
+    else:
+        if not reward:
+            raise ValueError("task.reward_weights: set task.reward too (the functions the weights are for)")
+        specs = reward if isinstance(reward, list) else [reward]
+        if len(weights) != len(specs):
+            raise ValueError(f"task.reward_weights: {len(weights)} weight{'s' * (len(weights) != 1)} for "
+                             f"{len(specs)} reward function{'s' * (len(specs) != 1)} in task.reward; give one per function")
+        bad = [w for w in weights if not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"task.reward_weights: {bad[0]} is not a finite number")
+    names = [spec.partition(":")[2] or spec for spec in specs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"task.reward: two reward functions named {repeated[0]!r}; their metrics "
+                         f"(reward/{repeated[0]}) would collide")
 
 
 # ---------------------------------------------------------------- loading
@@ -319,9 +347,13 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(_one_line(exc, raw)) from None
 
 
+_UNION_TAGS = ("str", "int", "float", "bool")  # pydantic names the member of a union it tried (task.reward)
+
+
 def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
     error = exc.errors()[0]
-    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "literal["))]
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "literal[", "list[", "dict["))
+           and str(p) not in _UNION_TAGS]
     key = ".".join(loc)
     kind = error["type"]
     if kind == "extra_forbidden":

@@ -64,11 +64,16 @@ NOTES: dict[str, str] = {
     "model.lora.targets": "Module names that get adapters.",
     "model.system_prompt": "System turn put before every prompt; null: none.",
     "task.name": "Where problems and rewards come from (docs/tasks.md).",
-    "task.path": "jsonl: the file of `{\"prompt\", \"answer\"}` lines; hf_dataset: a `save_to_disk` "
+    "task.path": "jsonl: the file of `{\"prompt\", \"answer\"}` lines (or conversational: `messages` turns, "
+                 "docs/tasks.md); hf_dataset: a `save_to_disk` "
                  "folder, a JSON/JSONL/Parquet file, or a hub id in the local cache.",
     "task.eval_path": "Held-out problems from another file; null: a seeded slice of `task.path`.",
     "task.reward": "Your reward `module:function` taking `(prompt, completion, answer) -> float`; "
-                   "null: the task's own reward. Not together with `task.env` (the environment scores episodes).",
+                   "null: the task's own reward. A list of them (`task` names the task's own) is TRL's "
+                   "`reward_funcs`: a sample scores the weighted sum, each function's mean is logged as "
+                   "`reward/<function>`. Not together with `task.env` (the environment scores episodes).",
+    "task.reward_weights": "One weight per function of `task.reward` (TRL's `reward_weights`); null: 1 each. "
+                           "A count that differs from the functions' is refused.",
     "task.reward_timeout_s": "Time limit per reward call; a time-out or an exception scores 0 and is counted.",
     "task.options": "Task-specific settings, checked by the task (e.g. arithmetic `digits`).",
     "task.env": "Multi-turn episodes with tools: a registered environment (`calculator`) or your `module:Class` "

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colorl.engines.base import Engine, GenerationRequest, SamplingParams
-from colorl.models import encode_chat
 from colorl.rollout.episodes import EpisodeSetup, Rollouts, sample_rewards
 from colorl.tasks.base import Problem
+from colorl.tasks.chat import problem_ids
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def evaluate(engine: Engine, problems: list[Problem], reward_fn, tokenizer, max_
     With `episodes`, each sample is an episode with the environment, scored by it."""
     samples_to_run = []
     for i, problem in enumerate(problems):
-        ids = encode_chat(tokenizer, problem.prompt, system_prompt)
+        ids = problem_ids(tokenizer, problem, system_prompt)
         for s in range(samples):
             params = SamplingParams(temperature=temperature or 1.0, top_k=1 if temperature is None else 0,
                                     max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,

@@ -190,6 +190,11 @@ def encode_chat(tokenizer, user_content: str, system_prompt: str | None = None) 
     """Prompt ids for one user turn (after an optional system turn), through the model's chat template."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": user_content})
+    return encode_messages(tokenizer, messages)
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids for a conversation through the model's chat template, the generation prompt after it."""
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
 

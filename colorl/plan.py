@@ -387,11 +387,11 @@ def device_memory(cfg, requested: str | None) -> tuple[int, str]:
 
 
 def longest_prompt(cfg, tokenizer, samples: int = 64) -> int:
-    from colorl.models import encode_chat
+    from colorl.tasks.chat import problem_ids
     from colorl.tasks import build_task
 
     task = build_task(cfg.task, cfg.run.seed)
-    return max(len(encode_chat(tokenizer, task.train_problem(i).prompt, cfg.model.system_prompt))
+    return max(len(problem_ids(tokenizer, task.train_problem(i), cfg.model.system_prompt))
                for i in range(samples))
 
 

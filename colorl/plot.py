@@ -151,6 +151,7 @@ def _episodes(plt, records: list[dict]):
     """Multi-turn runs (task.env): how the model uses its tools, and what went wrong."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label, style in (("tool_use_frac", "episodes that called a tool", "o-"),
+                              ("episodes_truncated_frac", "episodes truncated", "x-"),
                               ("reward_mean", "reward", "-")):
         xs, ys = _series(records, key)
         if ys:

@@ -64,11 +64,18 @@ def check_user_code(cfg) -> None:
     from colorl.tasks.rewards import resolve_reward
     from colorl.user_code import UserCodeError
 
-    if cfg.task.reward:
+    from colorl.tasks.weighted_rewards import TASK_REWARD
+
+    listed = isinstance(cfg.task.reward, list)
+    for i, spec in enumerate(cfg.task.reward if listed else [cfg.task.reward] if cfg.task.reward else []):
+        key = f"task.reward[{i}]" if listed else "task.reward"
+        if listed and spec == TASK_REWARD:
+            continue
         try:
-            resolve_reward(cfg.task.reward)
+            resolve_reward(spec)
         except UserCodeError as exc:
-            raise ConfigError(f"task.reward={cfg.task.reward!r}: {exc}") from None
+            also = f" or {TASK_REWARD!r} (the task's own reward)" if listed and str(exc).startswith("expected") else ""
+            raise ConfigError(f"{key}={spec!r}: {exc}{also}") from None
     if cfg.task.env:
         try:
             check_env_options(resolve_env(cfg.task.env), cfg.task.env_options)
@@ -90,10 +97,11 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     from colorl.config import ConfigError
     from colorl.engines import engine_class
     from colorl.models import (
-        ALIASES, ModelNotFound, cache_root, context_length, encode_chat, is_hub_id, load_tokenizer,
+        ALIASES, ModelNotFound, cache_root, context_length, is_hub_id, load_tokenizer,
         resolve_model_path,
     )
     from colorl.tasks import build_task
+    from colorl.tasks.chat import problem_ids
 
     check_user_code(cfg)
     cached = cache_root() / "models" / cfg.model.path
@@ -116,7 +124,7 @@ def preflight(cfg, device: str = "cpu", here: bool = True) -> list[str]:
     problems = [task.train_problem(i) for i in range(PROMPTS_CHECKED)] + task.eval_problems(cfg.run.eval_prompts)
     tokenizer = load_tokenizer(model_dir)
     try:
-        longest = max(len(encode_chat(tokenizer, p.prompt, cfg.model.system_prompt)) for p in problems)
+        longest = max(len(problem_ids(tokenizer, p, cfg.model.system_prompt)) for p in problems)
     except Exception as exc:  # tokenizer / template errors come in many types
         raise ConfigError(f"model.path={cfg.model.path!r}: cannot build a chat prompt "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

@@ -26,10 +26,12 @@ from colorl.metrics.display import Display
 from colorl.metrics.logger import MetricsWriter, read_metrics
 from colorl.modes.cores import CoreShare
 from colorl.rollout.episodes import EpisodeSetup
-from colorl.models import context_length, encode_chat, eos_token_ids, load_tokenizer, resolve_model_path
+from colorl.models import context_length, eos_token_ids, load_tokenizer, resolve_model_path
 from colorl.staleness.live import predicted_staleness_for
-from colorl.tasks import Task, build_task
+from colorl.tasks import Problem, Task, build_task
+from colorl.tasks.chat import problem_ids
 from colorl.tasks.rewards import RewardCounters, SandboxedReward
+from colorl.tasks.weighted_rewards import WeightedRewards, reward_terms
 from colorl.threads import pinned
 from colorl.train.checkpoint import (
     TrainerState, drop_older_optimizer_states, latest_step, load_checkpoint, prune_checkpoints, read_rank_file,
@@ -65,16 +67,16 @@ class RankContext:
     history: list[dict] = field(default_factory=list)
     # this rank's intra-op thread budget, as the launcher set it from the cores the rank may use
     rank_threads: int = field(default_factory=torch.get_num_threads)
-    _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+    _prompt_cache: dict[Problem, list[int]] = field(default_factory=dict)
 
     @property
     def groups_per_rank(self) -> int:
         return self.cfg.rollout.batch_groups // self.world
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        if prompt not in self._prompt_cache:
-            self._prompt_cache[prompt] = encode_chat(self.tokenizer, prompt, self.cfg.model.system_prompt)
-        return self._prompt_cache[prompt]
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        if problem not in self._prompt_cache:
+            self._prompt_cache[problem] = problem_ids(self.tokenizer, problem, self.cfg.model.system_prompt)
+        return self._prompt_cache[problem]
 
     def problem_indices(self, step: int) -> range:
         """This rank's slice of step `step`'s problems in the task's one seeded stream."""
@@ -144,7 +146,7 @@ class RankContext:
             from colorl.plot import tracker_charts
 
             self.metrics.close(lambda folder: tracker_charts(self.run_dir, folder))
-        if isinstance(self.reward_fn, SandboxedReward):
+        if isinstance(self.reward_fn, (SandboxedReward, WeightedRewards)):
             self.reward_fn.close()
 
     def hand_off_memory(self) -> None:
@@ -265,7 +267,10 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task, cfg.run.seed)
     counters = RewardCounters()
-    if cfg.task.reward:
+    terms = reward_terms(cfg.task)
+    if terms:
+        reward_fn = WeightedRewards.build(terms, task.reward, cfg.task.reward_timeout_s, counters)
+    elif cfg.task.reward:
         reward_fn = SandboxedReward(cfg.task.reward, cfg.task.reward_timeout_s, counters)
     else:
         reward_fn = task.reward
@@ -301,7 +306,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
                       enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None,
-                      episodes=cfg.task.env is not None, temperature=cfg.rollout.temperature)
+                      episodes=cfg.task.env is not None, temperature=cfg.rollout.temperature,
+                      reward_names=[t.name for t in terms])
     nonfinite = faults.NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, last_good=state)
     ctx = RankContext(cfg, rank, world, device, run_dir, tokenizer, task, reward_fn, counters, engine, trainer,
                       weight_sync, state, metrics, display, stop_ids, nonfinite,

@@ -103,7 +103,12 @@ class EpisodeRecord:
     tool_errors: int  # calls the environment could not run (reported to the model)
     env_seconds: float  # time in the environment's code (reset and every step)
     fault: str | None = None  # the environment raised, hung or broke the interface: reward 0
-    truncated: bool = False  # cut by max_turns or the episode's token cap before the environment ended it: reward 0
+    truncated: str | None = None  # cut before the environment ended it, reward 0: TRUNCATED_BY_TURNS or _BY_TOKENS
+    turns_cut: int = 0  # model messages that hit their token cap (task.turn_tokens, or what was left) mid-text
+
+
+TRUNCATED_BY_TURNS = "max_turns"  # task.max_turns model messages answered without `done`
+TRUNCATED_BY_TOKENS = "tokens"  # no room left for a turn: task.episode_tokens, or the model's context
 
 
 @dataclass(frozen=True)

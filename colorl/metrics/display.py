@@ -31,10 +31,16 @@ _SHOWN_BOUNDED_LAG = (
     ("staleness max", "staleness_max", "{:d}"), ("trainer wait s", "trainer_wait_s", "{:.1f}"),
     ("engine idle", "engine_idle_frac", "{:.0%}"),
 )
+# A row may show several keys of the record in one format (a tuple of keys): how episodes ended
+# reads as one sentence, its parts side by side, so tool use is never shown without what went wrong.
 _SHOWN_EPISODES = (
-    ("turns/episode", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}"),
+    ("turns/episode", ("episode_turns_mean", "turns_cut_frac"), "{:.1f} ({:.0%} cut at their token cap)"),
+    ("tool use", ("tool_use_frac", "tool_calls_per_episode"), "{:.0%} of episodes, {:.1f} calls/episode"),
+    ("tool errors", ("tool_errors", "tool_errors_per_episode"), "{:d} ({:.1f}/episode)"),
+    ("truncated", ("episodes_truncated_frac", "truncated_max_turns_frac", "truncated_tokens_frac"),
+     "{:.0%} (max turns {:.0%}, tokens {:.0%})"),
+    ("env faults", ("env_faults", "env_errors", "env_timeouts"), "{:d} (errors {:d}, timeouts {:d})"),
     ("held-out tool use", "eval_tool_use_frac", "{:.0%}"),
-    ("env faults", "env_errors", "{:d}"),
 )
 LABEL_WIDTH, VALUE_WIDTH = 18, 52  # fixed, so the panel does not change width; with borders 77 columns
 
@@ -57,6 +63,14 @@ def _fmt(fmt: str, value) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _shown(record: dict, key: str | tuple[str, ...], fmt: str) -> str:
+    """One row's value: a key's, or several keys' in one format; "-" while any is missing."""
+    if isinstance(key, str):
+        return _fmt(fmt, record.get(key))
+    values = [record.get(k) for k in key]
+    return "-" if any(v is None for v in values) else fmt.format(*values)
+
+
 def eta_seconds(step_ends: list[float], done: int, total: int) -> float | None:
     """Remaining time from the median interval between step ends, never from the first step alone.
 
@@ -77,13 +91,17 @@ def _clock(seconds: float | None) -> str:
 
 class Display:
     def __init__(self, total_steps: int, first_step: int, title: str, enabled: bool = True,
-                 eta: int | None = None, episodes: bool = False, temperature: float = 1.0) -> None:
+                 eta: int | None = None, episodes: bool = False, temperature: float = 1.0,
+                 reward_names: list[str] | tuple[str, ...] = ()) -> None:
         """eta: bounded-lag mode's staleness bound η (None in colocated mode); episodes: task.env is set;
-        temperature: the rollout's, which the training accuracy is sampled at."""
+        temperature: the rollout's, which the training accuracy is sampled at; reward_names: the functions
+        of a weighted task.reward list, each mean shown under the total."""
         self.console = Console(stderr=False)
         self.total, self.first, self.title, self.eta, self.episodes = total_steps, first_step, title, eta, episodes
         self.temperature = temperature
-        shown = _SHOWN + (_SHOWN_BOUNDED_LAG if eta is not None else ()) + (_SHOWN_EPISODES if episodes else ())
+        self.reward_parts = tuple((f"reward/{name}", f"reward/{name}", "{:.3f}") for name in reward_names)
+        shown = (_SHOWN[:1] + self.reward_parts + _SHOWN[1:] + (_SHOWN_BOUNDED_LAG if eta is not None else ())
+                 + (_SHOWN_EPISODES if episodes else ()))
         self.shown = tuple((label.format(temperature=temperature), key, fmt) for label, key, fmt in shown)
         self.enabled = enabled
         self.live_mode = enabled and self.console.is_terminal
@@ -104,7 +122,7 @@ class Display:
         table.add_column(width=VALUE_WIDTH, no_wrap=True)
         table.add_row("step", f"{self.step}/{self.total}   ETA {self._eta()}   phase: [bold]{self.phase_name}[/]")
         for label, key, fmt in self.shown:
-            value = _fmt(fmt, self.last.get(key))
+            value = _shown(self.last, key, fmt)
             if key == "eval_accuracy" and self.baseline is not None:
                 value = f"{value}  (before training {self.baseline:.1%})"
             if key == "staleness_max":
@@ -136,7 +154,7 @@ class Display:
         if self._live is not None:
             self._live.update(self._render())
         elif self.enabled:
-            parts = " ".join(f"{label.replace(' ', '_')}={_fmt(fmt, record.get(key))}" for label, key, fmt in self.shown)
+            parts = " ".join(f"{label.replace(' ', '_')}={_shown(record, key, fmt)}" for label, key, fmt in self.shown)
             remaining = eta_seconds(self.step_ends, self.step, self.total)  # none before the second step
             eta = "" if remaining is None else f" eta={_clock(remaining)}"
             print(f"step {self.step}/{self.total}{eta} {parts}", flush=True)
@@ -157,14 +175,17 @@ class Display:
             self._live.stop()
         if not self.enabled or not history:
             return
-        columns = [("step", "step", "{}"), ("reward", "reward_mean", "{:.3f}"), ("train acc", "accuracy", "{:.1%}"),
+        columns = [("step", "step", "{}"), ("reward", "reward_mean", "{:.3f}"), *self.reward_parts,
+                   ("train acc", "accuracy", "{:.1%}"),
                    ("held-out", "eval_accuracy", "{:.1%}"), ("resp len", "response_len_mean", "{:.1f}"),
                    ("loss", "loss", "{:+.4f}"), ("step s", "time_step_s", "{:.1f}")]
         if self.eta is not None:
             columns += [("stale max", "staleness_max", "{:d}"), ("wait s", "trainer_wait_s", "{:.1f}"),
                         ("idle", "engine_idle_frac", "{:.0%}")]
         if self.episodes:
-            columns += [("turns", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}")]
+            columns += [("turns", "episode_turns_mean", "{:.1f}"), ("tool use", "tool_use_frac", "{:.0%}"),
+                        ("tool err", "tool_errors", "{:d}"), ("truncated", "episodes_truncated_frac", "{:.0%}"),
+                        ("faults", "env_faults", "{:d}")]
         title = (f"colorl · steps (train acc at T={self.temperature:g}, held-out greedy"
                  f"{'' if self.eta is None else f'; η = {self.eta}'})")
         print_table(self.console, title, [name for name, _, _ in columns],

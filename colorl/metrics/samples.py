@@ -29,7 +29,7 @@ class SampleRecord:
     tool_calls: int | None = None
     tool_errors: int | None = None
     fault: str | None = None
-    truncated: bool | None = None
+    truncated: str | None = None  # what cut the episode: "max_turns" or "tokens"
 
 
 def sample_records(step: int, groups, decode: Callable[[list[int]], str]) -> list[SampleRecord]:
@@ -67,6 +67,6 @@ def screen_lines(records: list[SampleRecord]) -> list[str]:
     best, worst = max(group, key=lambda r: r.reward), min(group, key=lambda r: r.reward)
     lines = [f"sample at step {best.step}: {_short(best.prompt)}  (answer {best.answer})"]
     for label, record in (("best", best), ("worst", worst)) if best is not worst else (("sample", best),):
-        ended = record.fault or ("truncated" if record.truncated else record.finish_reason)
+        ended = record.fault or (f"truncated: {record.truncated}" if record.truncated else record.finish_reason)
         lines.append(f"  {label} reward {record.reward:.2f} ({record.tokens} tokens, {ended}): {_short(record.completion)}")
     return lines

@@ -30,7 +30,7 @@ def run_colocated(ctx, stop) -> None:
         faults.point("rollout", ctx.state.step + 1)
         indices = list(ctx.problem_indices(ctx.state.step))
         problems = [ctx.task.train_problem(i) for i in indices]
-        groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+        groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p) for p in problems], cfg.rollout,
                                 ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices,
                                 cfg.filter.env_faults)
         engine.sleep(cfg.engine.sleep_level)

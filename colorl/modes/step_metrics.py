@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from colorl.envs.base import TRUNCATED_BY_TOKENS, TRUNCATED_BY_TURNS
 from colorl.rollout.types import Group, RolloutWindow
 from colorl.staleness.live import predicted_split_for
 
@@ -127,30 +128,52 @@ def step_record(ctx, groups: list[Group], train, sync, times: StepTimes, trained
         "reward_errors": int(errors), "reward_timeouts": int(timeouts),
         "sync_bytes": sync.bytes_moved, "sync_gb_per_s": sync.gb_per_s,
         "trained_problems": _gather([g.problem_index for g in groups]),
+        **reward_part_means(groups, n),
         **(episode_metrics(groups, times.env_wait if colocated else window.env_wait_s,
                            t_rollout if colocated else wall_sum / world) if ctx.episodes else {}),
         **cuda_memory(times),
     }
 
 
+def reward_part_means(groups: list[Group], samples: float) -> dict:
+    """With several reward functions, each one's mean over the step's samples, all ranks: `reward/<name>`
+    (their weighted sum is `reward_mean`). Every rank lists the same functions: the config's."""
+    names = sorted({name for g in groups for name in g.reward_parts})
+    if not names:
+        return {}
+    sums = _reduce([sum(x for g in groups for x in g.reward_parts.get(name, ())) for name in names], dist.ReduceOp.SUM)
+    return {f"reward/{name}": total / max(samples, 1) for name, total in zip(names, sums)}
+
+
 def episode_metrics(groups: list[Group], env_wait_s: float, rollout_wall_s: float) -> dict:
     """Multi-turn episodes: per episode over all ranks, and the share of the rollout's wall time the
     engine stood idle because every live episode waited on its environment (bounded-lag mode's
-    overlap gives that time to other episodes)."""
+    overlap gives that time to other episodes).
+
+    How episodes ended is counted from what happened to each: truncated (split by cause: max turns,
+    or the token caps), faulted (raised, invalid or timed out), ended by the environment; so a
+    panel never shows healthy tool use while most episodes were cut off."""
     records = [r.episode for g in groups for r in g.results if r.episode is not None]
-    (n, tokens, turns, calls, users, tool_errors, env_s, errors, timeouts, truncated, env_wait) = _reduce([
-        len(records), sum(len(r.output_ids) for g in groups for r in g.results), sum(e.turns for e in records), sum(e.tool_calls for e in records),
-        sum(1 for e in records if e.tool_calls),
+    (n, tokens, turns, calls, users, tool_errors, env_s, errors, timeouts, by_turns, by_tokens, turns_cut,
+     env_wait) = _reduce([
+        len(records), sum(len(r.output_ids) for g in groups for r in g.results), sum(e.turns for e in records),
+        sum(e.tool_calls for e in records), sum(1 for e in records if e.tool_calls),
         sum(e.tool_errors for e in records), sum(e.env_seconds for e in records),
         sum(1 for e in records if e.fault in ("raised", "invalid")), sum(1 for e in records if e.fault == "timeout"),
-        sum(1 for e in records if e.truncated), env_wait_s,
+        sum(1 for e in records if e.truncated == TRUNCATED_BY_TURNS),
+        sum(1 for e in records if e.truncated == TRUNCATED_BY_TOKENS), sum(e.turns_cut for e in records), env_wait_s,
     ], dist.ReduceOp.SUM)
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_episode = lambda total: total / max(n, 1)  # noqa: E731
     return {
+        "episodes": int(n),
         "episode_len_mean": per_episode(tokens), "episode_turns_mean": per_episode(turns), "tool_calls_per_episode": per_episode(calls),
         "tool_use_frac": per_episode(users),
-        "tool_errors": int(tool_errors), "env_errors": int(errors), "env_timeouts": int(timeouts),
-        "episodes_truncated": int(truncated), "env_s_per_episode": per_episode(env_s),
+        "tool_errors": int(tool_errors), "tool_errors_per_episode": per_episode(tool_errors),
+        "env_errors": int(errors), "env_timeouts": int(timeouts), "env_faults": int(errors + timeouts),
+        "episodes_truncated": int(by_turns + by_tokens), "episodes_truncated_frac": per_episode(by_turns + by_tokens),
+        "truncated_max_turns_frac": per_episode(by_turns), "truncated_tokens_frac": per_episode(by_tokens),
+        "turns_cut_frac": turns_cut / max(turns, 1),
+        "env_s_per_episode": per_episode(env_s),
         "engine_env_wait_frac": (env_wait / world) / rollout_wall_s if rollout_wall_s else 0.0,
     }

@@ -10,7 +10,7 @@ import random
 from typing import Callable
 
 from colorl.engines.base import GenerationRequest, SamplingParams
-from colorl.rollout.episodes import Rollouts, sample_rewards
+from colorl.rollout.episodes import Rollouts, score_samples
 from colorl.rollout.types import Group
 from colorl.staleness.formula import LengthModel
 from colorl.tasks.base import Problem
@@ -75,6 +75,7 @@ def collect_groups(rollouts: Rollouts, problems: list[Problem], prompt_ids: list
             if len(pending[g]) == size:
                 results = [pending[g][i] for i in range(size)]
                 index = problem_indices[g] if problem_indices is not None else -1
-                groups[g] = Group(problems[g], results, sample_rewards(problems[g], results, reward_fn, decode),
-                                  problem_index=index, env_faults=env_faults)
+                rewards, parts = score_samples(problems[g], results, reward_fn, decode)
+                groups[g] = Group(problems[g], results, rewards, problem_index=index, env_faults=env_faults,
+                                  reward_parts=parts)
     return [groups[g] for g in range(len(problems))]

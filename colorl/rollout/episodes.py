@@ -34,8 +34,9 @@ from colorl.distributed import use_device
 from colorl.engines.base import Engine, GenerationRequest, GenerationResult
 from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment, GuardedStep, Message, PendingStep,
                          parse_tool_calls)
-from colorl.envs.base import EpisodeRecord
+from colorl.envs.base import TRUNCATED_BY_TOKENS, TRUNCATED_BY_TURNS, EpisodeRecord
 from colorl.tasks.base import Problem
+from colorl.tasks.weighted_rewards import WeightedRewards
 
 ENV_POLL_S = 0.005  # how long a step waits on an environment when the engine has nothing to decode
 TURN_SEED_STRIDE = 1_000_003  # turn t of a sample samples with seed + t * stride (mod 2**31): each turn its own stream
@@ -80,6 +81,7 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    turns_cut: int = 0  # model messages cut at their token cap
     env_seconds: float = 0.0
     turn: GenerationRequest | None = None  # the model turn in the engine
     partial: GenerationResult | None = None  # an interrupted turn, until `resume`
@@ -230,7 +232,7 @@ class Rollouts:
             episode.prompt_len = len(episode.conversation.token_ids)
             self._next_turn(episode)
         elif episode.turns >= self.setup.max_turns:
-            self._finish(episode, 0.0, truncated=True)
+            self._finish(episode, 0.0, truncated=TRUNCATED_BY_TURNS)
         else:
             self._add_context(episode, answer.step.messages)
 
@@ -244,7 +246,7 @@ class Rollouts:
             return
         added = len(conversation.token_ids) - before
         if len(conversation.token_ids) - episode.prompt_len >= self.setup.episode_tokens:  # no room to answer
-            self._finish(episode, 0.0, truncated=True)
+            self._finish(episode, 0.0, truncated=TRUNCATED_BY_TOKENS)
             return
         episode.logprobs += [0.0] * added
         episode.versions += [episode.versions[-1] if episode.versions else self.engine.version] * added
@@ -256,7 +258,7 @@ class Rollouts:
         if self.setup.context is not None:  # the whole conversation is the turn's prompt
             budget = min(budget, self.setup.context - len(episode.conversation.token_ids))
         if budget < 1:
-            self._finish(episode, 0.0, truncated=True)
+            self._finish(episode, 0.0, truncated=TRUNCATED_BY_TOKENS)
             return
         params = episode.request.params
         seed = None if params.seed is None else (params.seed + episode.turns * TURN_SEED_STRIDE) % 2**31
@@ -277,18 +279,19 @@ class Rollouts:
         episode.state_version = min((v for v in (episode.state_version, result.state_version) if v is not None),
                                     default=None)
         episode.turns += 1
+        episode.turns_cut += result.finish_reason == "length"
         if episode.env.tools:
             episode.tool_calls += len(parse_tool_calls(text, episode.env.tools))
         episode.pending = self._pool().submit_step(episode.env, text, self.setup.timeout_s)
 
-    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: bool = False) -> None:
+    def _finish(self, episode: _Episode, reward: float, fault: str | None = None, truncated: str | None = None) -> None:
         """The sample ends at the model's last token: context the environment added after it (an answer
         that left no room for another turn, in the episode's tokens or the model's context) trains
         nothing and would only lengthen the sequence, past the context even."""
         del self._episodes[episode.request.request_id]
         conversation, start = episode.conversation, episode.prompt_len
         record = EpisodeRecord(reward, episode.turns, episode.tool_calls, episode.tool_errors, episode.env_seconds,
-                               fault, truncated)
+                               fault, truncated, episode.turns_cut)
         if conversation is None:  # ended before its opening messages: nothing generated
             self._done.append(GenerationResult(episode.request.request_id, list(episode.request.prompt_ids), [], [], [],
                                                "stop", loss_mask=[], episode=record))
@@ -305,5 +308,15 @@ class Rollouts:
 def sample_rewards(problem: Problem, results: list[GenerationResult], reward_fn: Callable,
                    decode: Callable[[list[int]], str]) -> list[float]:
     """Each sample's reward: an episode's from its environment, a completion's from the task's reward."""
-    return [r.episode.reward if r.episode is not None else reward_fn(problem.prompt, decode(r.output_ids), problem.answer)
-            for r in results]
+    return score_samples(problem, results, reward_fn, decode)[0]
+
+
+def score_samples(problem: Problem, results: list[GenerationResult], reward_fn: Callable,
+                  decode: Callable[[list[int]], str]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each sample's reward, and with several reward functions (`WeightedRewards`) each one's score per
+    sample, for its own metric; {} otherwise."""
+    if not isinstance(reward_fn, WeightedRewards):
+        return [r.episode.reward if r.episode is not None else reward_fn(problem.prompt, decode(r.output_ids), problem.answer)
+                for r in results], {}
+    scored = [reward_fn.parts(problem.prompt, decode(r.output_ids), problem.answer) for r in results]
+    return [reward_fn.total(parts) for parts in scored], {name: [p[name] for p in scored] for name in reward_fn.names}

@@ -34,7 +34,7 @@ from colorl.buffer import Slot
 from colorl.engines.base import GenerationRequest, GenerationResult
 from colorl.envs.base import EpisodeRecord
 from colorl.rollout.collect import step_requests
-from colorl.rollout.episodes import Rollouts, sample_rewards
+from colorl.rollout.episodes import Rollouts, score_samples
 from colorl.rollout.types import Group, RolloutWindow
 from colorl.tasks.base import Problem
 from colorl.threads import set_threads
@@ -238,7 +238,7 @@ class RolloutProducer:
         step, position = divmod(ticket, per_step)
         if step not in self._step_cache:
             indices = list(self.ctx.problem_indices(step))
-            prompts = [self.ctx.prompt_ids(self.ctx.task.train_problem(i).prompt) for i in indices]
+            prompts = [self.ctx.prompt_ids(self.ctx.task.train_problem(i)) for i in indices]
             tickets = [str(step * per_step + j) for j in range(per_step)]
             self._step_cache = {s: v for s, v in self._step_cache.items() if s >= step - 1}
             self._step_cache[step] = (indices, step_requests(
@@ -283,9 +283,9 @@ class RolloutProducer:
             self._window.samples_aborted += len(flight.running)
             flight.running.clear()
         results = [r for _, r in sorted(flight.done, key=lambda d: d[0])]
-        rewards = sample_rewards(flight.problem, results, self.ctx.reward_fn, self.ctx.decode)
+        rewards, parts = score_samples(flight.problem, results, self.ctx.reward_fn, self.ctx.decode)
         group = Group(flight.problem, results, rewards, problem_index=flight.problem_index, ticket=flight.ticket,
-                      done_version=self.engine.version, env_faults=self.env_faults)
+                      done_version=self.engine.version, env_faults=self.env_faults, reward_parts=parts)
         slot = flight.slot
         slot.payload = group
         if group.first_version is not None:  # never lower than the admission version it was reserved at
@@ -330,6 +330,7 @@ def _group_to_json(group: Group) -> dict:
     return {
         "prompt": group.problem.prompt, "answer": group.problem.answer, "rewards": group.rewards,
         "problem_index": group.problem_index, "ticket": group.ticket, "done_version": group.done_version,
+        "reward_parts": group.reward_parts,
         "results": [{"request_id": r.request_id, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                      "logprobs": r.logprobs, "versions": r.versions, "finish_reason": r.finish_reason,
                      "loss_mask": r.loss_mask, "episode": dataclasses.asdict(r.episode) if r.episode else None,
@@ -343,4 +344,5 @@ def _group_from_json(data: dict, env_faults: str) -> Group:
                for r in data["results"]]
     return Group(Problem(data["prompt"], data["answer"]), results,
                  data["rewards"], problem_index=data["problem_index"], ticket=data["ticket"],
-                 done_version=data["done_version"], env_faults=env_faults)
+                 done_version=data["done_version"], env_faults=env_faults,
+                 reward_parts=data.get("reward_parts", {}))  # a checkpoint from before the list form has none

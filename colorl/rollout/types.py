@@ -1,7 +1,7 @@
 """A GRPO group (the S samples of one prompt, rewarded), and what the rollout thread did per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from colorl.engines.base import GenerationResult
 from colorl.tasks.base import Problem
@@ -16,6 +16,7 @@ class Group:
     ticket: int = -1  # bounded-lag: this rank's admission number (its position in the rank's data stream)
     done_version: int | None = None  # engine version when the group was complete (None: trained at once)
     env_faults: str = "exclude"  # filter.env_faults: are faulted episodes left out of the statistics?
+    reward_parts: dict[str, list[float]] = field(default_factory=dict)  # several reward functions: each one's S scores
 
     @property
     def first_version(self) -> int | None:

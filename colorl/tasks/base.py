@@ -12,9 +12,18 @@ RewardFn = Callable[[str, str, str], float]  # (prompt, completion, answer) -> r
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """One turn of a conversational dataset row's opening (colorl/tasks/chat.py)."""
+
+    role: str  # system, user or assistant
+    content: str
+
+
+@dataclass(frozen=True)
 class Problem:
-    prompt: str  # user-turn text; the chat template is applied by the rollout
+    prompt: str  # user-turn text (of a conversational row: its last user turn); the rollout applies the chat template
     answer: str
+    turns: tuple[ChatTurn, ...] | None = None  # a conversational row's turns, rendered instead of `prompt` alone
 
 
 class Task(Protocol):

@@ -4,7 +4,9 @@
 file, or a hub id already in the local `datasets` cache (nothing is downloaded). `task.options`:
 `split` (default `train`), `eval_split` (else a seeded `eval_fraction` of the train split, or
 `task.eval_path`), `prompt_field` / `answer_field` (default `prompt` / `answer`), or `row_map`:
-a `module:function` that maps a row (dict) to `(prompt, answer)`.
+a `module:function` that maps a row (dict) to `(prompt, answer)`. A prompt that is a list of
+{"role", "content"} turns (or, with no prompt field named, a `messages` column) is a conversation
+(colorl/tasks/chat.py).
 
 A row without a usable prompt or answer is skipped and counted by index; the task refuses to
 start when no row is usable, and `skipped` says how many were left out otherwise.
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from colorl.tasks.base import Problem, check_options, register
+from colorl.tasks.chat import conversational_problem
 from colorl.tasks.jsonl import DatasetError, ListedTask, eval_fraction_option
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -71,16 +74,18 @@ def resolve_row_map(spec: str) -> Callable[[dict], Any]:
 
 
 class _Fields:
-    """Row -> (prompt, answer) by field names; the reason as a string when the row is unusable."""
+    """Row -> (prompt, answer) by field names; the reason as a string when the row is unusable. Without
+    a prompt field named, a row with no `prompt` but a `messages` list is conversational."""
 
-    def __init__(self, prompt_field: str, answer_field: str) -> None:
+    def __init__(self, prompt_field: str | None, answer_field: str) -> None:
         self.prompt_field, self.answer_field = prompt_field, answer_field
 
     def __call__(self, row: dict) -> tuple[Any, Any]:
-        for field in (self.prompt_field, self.answer_field):
+        prompt_field = self.prompt_field or ("messages" if "prompt" not in row and "messages" in row else "prompt")
+        for field in (prompt_field, self.answer_field):
             if field not in row:
                 raise KeyError(f"no field {field!r}")
-        return row[self.prompt_field], row[self.answer_field]
+        return row[prompt_field], row[self.answer_field]
 
 
 def to_problems(rows, mapper: Callable[[dict], Any], where: str) -> tuple[list[Problem], list[tuple[int, str]]]:
@@ -91,10 +96,15 @@ def to_problems(rows, mapper: Callable[[dict], Any], where: str) -> tuple[list[P
         except Exception as exc:  # a user mapper or a missing field: the row is skipped, by index
             skipped.append((index, f"{type(exc).__name__}: {exc}"))
             continue
-        if not isinstance(prompt, str) or not prompt.strip():
-            skipped.append((index, "empty or non-text prompt"))
-        elif answer is None or (isinstance(answer, str) and not answer.strip()) or isinstance(answer, (dict, list)):
+        if answer is None or (isinstance(answer, str) and not answer.strip()) or isinstance(answer, (dict, list)):
             skipped.append((index, "missing answer"))
+        elif isinstance(prompt, list):  # a conversation: {"role", "content"} turns
+            try:
+                problems.append(conversational_problem(prompt, "prompt", str(answer)))
+            except ValueError as exc:
+                skipped.append((index, str(exc)))
+        elif not isinstance(prompt, str) or not prompt.strip():
+            skipped.append((index, "empty or non-text prompt"))
         else:
             problems.append(Problem(prompt=prompt, answer=str(answer)))
     if not problems:
@@ -115,7 +125,7 @@ class HFDatasetTask(ListedTask):
         if "row_map" in opts and ({"prompt_field", "answer_field"} & opts.keys()):
             raise DatasetError("task.options: give row_map or prompt_field/answer_field, not both")
         mapper = (resolve_row_map(opts["row_map"]) if "row_map" in opts
-                  else _Fields(opts.get("prompt_field", "prompt"), opts.get("answer_field", "answer")))
+                  else _Fields(opts.get("prompt_field"), opts.get("answer_field", "answer")))
         split = opts.get("split", "train")
         problems, self.skipped = to_problems(load_split(path, split), mapper, f"{path} [{split}]")
         eval_problems = None

@@ -1,4 +1,8 @@
-"""Problems from a JSONL file of {"prompt": ..., "answer": ...}; math answer checking by default."""
+"""Problems from a JSONL file of {"prompt": ..., "answer": ...}; math answer checking by default.
+
+A row may be conversational instead (TRL's and Hugging Face's form): `messages`, or `prompt`, a
+list of {"role", "content"} turns ending with the user's (colorl/tasks/chat.py).
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +11,7 @@ from pathlib import Path
 
 from colorl.config import read_text
 from colorl.tasks.base import Problem, check_options, register
+from colorl.tasks.chat import ConversationFormatError, conversational_problem
 from colorl.tasks.rewards import math_reward
 
 
@@ -23,12 +28,25 @@ def read_problems(path: str | Path) -> list[Problem]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
-            raise DatasetError(f"{path}:{number}: needs fields 'prompt' and 'answer'")
-        problems.append(Problem(prompt=str(record["prompt"]), answer=str(record["answer"])))
+        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record) or "answer" not in record:
+            raise DatasetError(f"{path}:{number}: needs fields 'answer' and either 'prompt' (text, or a list of "
+                               f"{{\"role\", \"content\"}} turns) or 'messages' (such a list)")
+        problems.append(_problem(record, f"{path}:{number}"))
     if not problems:
         raise DatasetError(f"{path}: no problems")
     return problems
+
+
+def _problem(record: dict, where: str) -> Problem:
+    """A plain row's prompt text, or a conversational row's turns (`messages`, or `prompt` as a list)."""
+    field = "messages" if "messages" in record else "prompt"
+    value, answer = record[field], str(record["answer"])
+    if field == "prompt" and not isinstance(value, list):
+        return Problem(prompt=str(value), answer=answer)
+    try:
+        return conversational_problem(value, field, answer)
+    except ConversationFormatError as exc:
+        raise DatasetError(f"{where}: {exc}") from None
 
 
 class ListedTask:

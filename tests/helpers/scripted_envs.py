@@ -75,6 +75,17 @@ class NeverDoneEnv(ShortScriptedEnv):
     tool_turns = 10**9
 
 
+class ToolErrorEnv(ShortScriptedEnv):
+    """Every answer reports one tool call that could not run; on a misbehaving problem the episode never
+    ends (task.max_turns cuts it), on the others it ends after the script's three model messages."""
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if misbehaves(self.problem):
+            return EnvStep([Message("tool", "error: no such tool", name="lookup")], done=False, tool_errors=1)
+        answer = super().step(assistant_text)
+        return answer if answer.done else EnvStep(answer.messages, done=False, tool_errors=1)
+
+
 class RaisingEnv(ShortScriptedEnv):
     def step(self, assistant_text: str) -> EnvStep:
         if misbehaves(self.problem):
