@@ -127,6 +127,8 @@ class Display:
                 value = f"{value}  (before training {self.baseline:.1%})"
             if key == "staleness_max":
                 value = f"{value}  (bound η = {self.eta})"
+            if key.startswith("reward/"):  # indented under the total by its bare name: the label column is narrow
+                label = "  " + label.removeprefix("reward/")
             table.add_row(label, value)
         for label, text in self.loop_rows:
             table.add_row(label, text)
