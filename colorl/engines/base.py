@@ -79,6 +79,22 @@ class GenerationResult:
         return min(versions) if self.state_version is None else min(self.state_version, *versions)
 
 
+def oldest_version(*versions: int | None) -> int | None:
+    """The oldest of the versions given, None (no state recorded) left out; None when all are."""
+    return min((v for v in versions if v is not None), default=None)
+
+
+def admitted_state_version(request: GenerationRequest, admitted: int, sampled: bool) -> int | None:
+    """`GenerationResult.state_version` for an engine that cannot see which version computed a
+    request's prompt KV (SGLang's scheduler, another process): a request admitted at version
+    `admitted` may have had any part of its prompt prefilled at any version from there on, so the
+    admission version, the oldest possible, stands for it once the model sampled a token in this
+    life (none sampled: no token read that KV, and a resume computes it again). Never newer than the
+    truth, older by at most the updates between admission and the first token. The prefix cache must
+    hold no KV older than the admission (reset at every update, or off while requests run across one)."""
+    return oldest_version(request.state_version, admitted) if sampled else request.state_version
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int

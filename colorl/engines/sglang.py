@@ -36,7 +36,11 @@ bounded-lag may never happen, so the radix cache is off there (no request starts
 of an older version); and the overlap scheduler is off too, since an in-place pause leaves an
 already-launched batch's result queued, and its token, computed on the old weights, would be
 counted after the version change. Colocated mode syncs when idle: both stay on, and the cache
-is flushed after every update. `stats()` counts KV
+is flushed after every update. So no request reads KV computed before it was added; but SGLang's
+weight-version spans cover output tokens only (its scheduler records a version change only for
+requests that have some), and a prompt prefilled in chunks across an update is not told apart
+from one prefilled after it: a request's state version is the version in force when it was added
+(`admitted_state_version`: the oldest its prompt's KV can have, never newer than the truth). `stats()` counts KV
 blocks from the lengths of the requests in flight (`engine.block_size` tokens a block) against
 SGLang's pool size; SGLang's own allocator is not queried per step.
 """
@@ -56,7 +60,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, admitted_state_version
 
 SGLANG_VERSION = "0.5.23"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,7 +102,7 @@ class _Live:
     request: GenerationRequest
     stream: object  # the async iterator `async_generate(stream=True)` returned
     next: asyncio.Future
-    oldest_version: int  # the version in force when it was added (fallback stamp, see _versions)
+    oldest_version: int  # the version in force when it was added (fallback stamp, and its state version)
     tokens: int = 0  # output tokens seen so far
     interrupted: bool = False
 
@@ -248,7 +252,8 @@ class SGLangEngine(Engine):
         req = live.request
         return GenerationResult(rid, list(req.prompt_ids), list(req.output_ids) + ids,
                                 list(req.output_logprobs) + logprobs,
-                                list(req.output_versions) + _versions(meta, len(ids), live.oldest_version), reason)
+                                list(req.output_versions) + _versions(meta, len(ids), live.oldest_version), reason,
+                                state_version=admitted_state_version(req, live.oldest_version, bool(ids)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self.interrupt(request_ids)
@@ -276,7 +281,8 @@ class SGLangEngine(Engine):
                 del self._live[rid]
                 req = live.request
                 results.append(GenerationResult(rid, list(req.prompt_ids), list(req.output_ids),
-                                                list(req.output_logprobs), list(req.output_versions), "interrupt"))
+                                                list(req.output_logprobs), list(req.output_versions), "interrupt",
+                                                state_version=req.state_version))
                 continue
             self._tm.abort_request(rid=rid)
         while pending := [live for live in stopping if live.request.request_id in self._live]:

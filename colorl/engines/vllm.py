@@ -19,7 +19,13 @@ verbs map:
     versions       weights only change between two `step()` calls, so every token a step returns
                    was produced by the version in force during that step; vLLM's own weight
                    version (`set_weight_version`) is kept equal to str(version), and the spans it
-                   puts on a finished output are checked against colorl's stamps.
+                   puts on a finished output are checked against colorl's stamps. A prompt
+                   prefilled in chunks (vLLM's default on CUDA) across an update is read by
+                   tokens of the newer version: before each update colorl notes which requests
+                   in flight have KV computed (the scheduler's `num_computed_tokens`, in this
+                   process), and their state version is the version ending there. The prefix
+                   cache holds no older KV than a request's admission (reset after every update,
+                   off in bounded-lag, see weight sync).
     weight sync    vLLM's CPU build repacks every linear weight into oneDNN/AMX kernel format after
                    loading and drops the plain tensor, so a tensor written into its parameters
                    would never be served, and its in-place reload (`Worker.reload_weights`,
@@ -72,7 +78,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, oldest_version
 from colorl.threads import pinned
 
 VLLM_VERSION = "0.32.0"
@@ -101,12 +107,15 @@ class _Live:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_version: int | None = None  # the version ending at the first update it had KV computed before
 
     def result(self, reason: str) -> GenerationResult:
         req = self.request
+        # no token sampled in this life: none read its KV (vLLM drops it, a resume computes it again)
+        state = oldest_version(req.state_version, self.kv_version) if self.ids else req.state_version
         return GenerationResult(req.request_id, list(req.prompt_ids), list(req.output_ids) + self.ids,
                                 list(req.output_logprobs) + self.logprobs,
-                                list(req.output_versions) + self.versions, reason)
+                                list(req.output_versions) + self.versions, reason, state_version=state)
 
 
 class VLLMEngine(Engine):
@@ -295,6 +304,7 @@ class VLLMEngine(Engine):
         running = bool(self._live)
         if running:
             self._core.pause_scheduler(mode="keep", clear_cache=False)
+            self._note_kv_before_update()
         weights = self._weights
         self._engine.collective_rpc("reload_weights", kwargs={
             "weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
@@ -304,6 +314,17 @@ class VLLMEngine(Engine):
         elif not self._engine.reset_prefix_cache():
             raise RuntimeError("vllm: the prefix cache could not be reset after a weight update")
         self._dirty = False
+
+    def _note_kv_before_update(self) -> None:
+        """The requests in flight that have KV computed now (any of their prompt: a chunked prefill)
+        keep it across the update and their later tokens read it: it dates from the version ending
+        here or before, and versions only grow, so the first such update dates it."""
+        internal_ids = self._engine.output_processor.external_req_ids  # vLLM suffixes each request id
+        scheduled = self._core.scheduler.requests
+        for rid, live in self._live.items():
+            if live.kv_version is None and any(
+                    (r := scheduled.get(i)) is not None and r.num_computed_tokens > 0 for i in internal_ids.get(rid, ())):
+                live.kv_version = self._version
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from colorl.distributed import use_device
-from colorl.engines.base import Engine, GenerationRequest, GenerationResult
+from colorl.engines.base import Engine, GenerationRequest, GenerationResult, oldest_version
 from colorl.envs import (Conversation, ConversationError, EnvRunner, Environment, GuardedStep, Message, PendingStep,
                          parse_tool_calls)
 from colorl.envs.base import TRUNCATED_BY_TOKENS, TRUNCATED_BY_TURNS, EpisodeRecord
@@ -276,8 +276,7 @@ class Rollouts:
         text = episode.conversation.add_model_turn(result.output_ids)
         episode.logprobs += result.logprobs
         episode.versions += result.versions
-        episode.state_version = min((v for v in (episode.state_version, result.state_version) if v is not None),
-                                    default=None)
+        episode.state_version = oldest_version(episode.state_version, result.state_version)
         episode.turns += 1
         episode.turns_cut += result.finish_reason == "length"
         if episode.env.tools:

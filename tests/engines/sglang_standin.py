@@ -46,6 +46,9 @@ from colorl.models import load_model
 
 NCCL_SETTINGS = ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# prompt tokens the scheduler prefills per loop turn (SGLang's `chunked_prefill_size`, which it sizes by
+# GPU memory: thousands of tokens); the first token is sampled with the last chunk
+CHUNKED_PREFILL_SIZE = 2048
 
 
 # -- sglang.srt.managers.io_struct (field names and defaults as in the wheel) --------------------
@@ -117,6 +120,7 @@ class _Req:
     aborted: bool = False  # the scheduler received the abort
     dispatched: bool = False  # as ReqState.dispatched: the scheduler has the request
     abort_sent: bool = False  # as ReqState.abort_sent
+    kv_version: str | None = None  # the weight version of its first prefill chunk (SGLang reports none)
 
 
 class TokenizerManager:
@@ -243,6 +247,14 @@ class Engine:
             raise
         self.calls.append(("dispatched", state.rid))
         gen = torch.Generator().manual_seed(state.params.get("sampling_seed", 0))
+        # the prompt's KV, chunk by chunk (a chunk per scheduler turn; paused, none): the logits below are
+        # computed whole, so only the version of the oldest chunk is kept, for the tests to compare
+        state.kv_version = self.weight_version
+        for _ in range(1, -(-len(state.input_ids) // CHUNKED_PREFILL_SIZE)):
+            await asyncio.sleep(0)
+            await tm._resumed.wait()
+            if state.aborted:
+                break
         while True:
             await tm._resumed.wait()
             if state.aborted:

@@ -14,6 +14,8 @@ tiny model, each with the checkpoint engine's bit-exact check after every sync a
     bounded-lag  multi-turn episodes with a scripted tool environment, η = 1
     bounded-lag  the same at two ranks, on CPU as on a two-GPU box under the device-placement
                  recorder: rank r's trainer, engine and threads touch only cuda:r
+    both modes   multi-turn episodes under each chat template of tests/helpers/chat_templates.py
+                 (ChatML, trimming ChatML, Llama 3, SmolLM2, a BOS per turn), tool messages included
 
 The SGLang column is colorl's real adapter over the CPU stand-in of the package
 (tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py.
@@ -35,6 +37,7 @@ import torch
 from colorl.doctor import CPU_MODELS
 from colorl.engines import engine_class
 from colorl.engines.base import Engine
+from chat_templates import TEMPLATES  # tests/helpers
 from checked_runs import checked_run as run_checked, metrics, weights  # tests/helpers
 
 
@@ -234,4 +237,40 @@ def test_bounded_lag_multi_turn_episodes(column, tmp_path):
     lines = metrics(tmp_path / "run")
     assert_common(lines, 2, eta=1)
     assert all(r["episode_turns_mean"] == 3 and r["env_errors"] == 0 and r["episodes_truncated"] == 0 for r in lines)
+    assert all(r["episode_len_mean"] > r["response_len_mean"] > 0 for r in lines)  # tool results: context only
+
+
+def _template_cases() -> list:
+    """Every template in both modes, each (template, mode) on one column, turning through the columns so
+    that each column meets both modes and several templates: every column times every case is 40 whole
+    runs (30-45 min on 2 cores), and tests/envs runs the whole template matrix on the native engine."""
+    modes = ["colocated", "bounded_lag"]
+    return [pytest.param(COLUMNS[(t + m) % len(COLUMNS)], template, mode,
+                         id=f"{COLUMNS[(t + m) % len(COLUMNS)].name}-{template}-{mode}")
+            for t, template in enumerate(TEMPLATES) for m, mode in enumerate(modes)]
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("engine_column", "template", "mode"), _template_cases())
+def test_multi_turn_episodes_under_each_chat_template(engine_column, template, mode, tmp_path):
+    """Issue 33 item 3: templates that trim each message, put a BOS or a header before every turn, add a
+    default system turn, or render the environment's tool messages their own way; every turn's prompt is
+    the conversation so far, extended by the engine's tokens, in both modes."""
+    from chat_templates import save_template_model  # tests/helpers
+
+    column = engine_column
+    if column.skip_reason():
+        pytest.skip(column.skip_reason())
+    keep = engine_class(column.engine).keeps_kv_across_updates
+    model = save_template_model(tmp_path / "model", template)
+    sets = ["run.steps=2", f"mode={mode}", "staleness.max=1", f"staleness.partial_rollout={'keep' if keep else 'recompute'}",
+            "task.reward=null", "task.env=scripted_envs:ShortScriptedEnv", "task.max_turns=4", "filter.zero_variance=false",
+            "rollout.batch_groups=2", f"model.path={model}"]
+    (report,) = checked_run(column, sets, tmp_path / "run")
+    assert report["checked_versions"][:2] == [0, 1]
+    lines = metrics(tmp_path / "run")
+    assert_common(lines, 2, eta=0 if mode == "colocated" else 1)
+    episodes = [{k: r[k] for k in ("episode_turns_mean", "env_errors", "episodes_truncated")} for r in lines]
+    assert all(e == {"episode_turns_mean": 3, "env_errors": 0, "episodes_truncated": 0} for e in episodes), episodes
     assert all(r["episode_len_mean"] > r["response_len_mean"] > 0 for r in lines)  # tool results: context only

@@ -256,6 +256,41 @@ def test_in_flight_update_pauses_in_place_and_stamps_token_versions(bounded_lag_
     assert before >= 6  # every step brought at least one token, all under version 1
 
 
+def test_a_prompt_prefilled_across_an_update_keeps_the_older_version(bounded_lag_engine, trained, monkeypatch):
+    """Issue 33: SGLang's scheduler (another process) prefills a long prompt in chunks while colorl goes on;
+    an in-place update between two chunks leaves the prompt's KV of the old weights under tokens sampled by
+    the new ones, and SGLang's version spans (output tokens only) say nothing of it. A sample's version is
+    never newer than the oldest that computed its KV: the version in force when it was added."""
+    engine = bounded_lag_engine
+    monkeypatch.setattr(standin, "CHUNKED_PREFILL_SIZE", 1)
+    sync = CheckpointEngine(trained, engine, SMALL_BUCKETS)
+    sync.sync(engine, 1)
+    engine.add(request("long", LONG, prompt=range(5, 17)))  # twelve chunks: the update lands between two
+    scheduler = fake(engine).tokenizer_manager.rid_to_state
+    while "long" not in scheduler or scheduler["long"].kv_version is None:
+        engine._run(asyncio.sleep(0))  # the scheduler runs beside colorl: its first chunk, under version 1
+    state = scheduler["long"]
+    assert not state.output_ids
+    sync.publish(2).apply(engine)
+    engine.add(request("after", LONG, prompt=range(5, 17)))
+    done = {}
+    while engine.has_unfinished():
+        done.update((r.request_id, r) for r in engine.step())
+    assert done["long"].versions == [2] * LONG.max_new_tokens and state.kv_version == "1"
+    assert done["long"].first_version == 1 and done["long"].state_version == 1
+    assert done["after"].first_version == 2
+
+
+def test_a_resumed_request_carries_its_state_version(engine):
+    """An interrupted part's state version comes back in the result, whether SGLang had the request or not."""
+    engine.version = 1  # same weights, a newer version than the interrupted part's
+    engine.add(GenerationRequest("early", [5, 6, 7, 8], PARAMS, state_version=0))
+    (cancelled,) = engine.interrupt(["early"])  # before its dispatch: cancelled here
+    assert cancelled.finish_reason == "interrupt" and cancelled.state_version == 0
+    (r,) = engine.generate([GenerationRequest("late", [5, 6, 7, 8], PARAMS, state_version=0)])
+    assert set(r.versions) == {1} and r.state_version == 0 and r.first_version == 0
+
+
 def test_bf16_lora_merges_float32_adapters_into_bf16_engine_weights(model_dir, monkeypatch):
     """The 7B LoRA example's case: a bf16 base with peft's float32 adapters."""
     from colorl.config import LoraConfig

@@ -138,6 +138,57 @@ def test_sleep_on_cpu_keeps_serving_and_forgets_cached_prefixes_as_on_cuda(engin
     assert len(r.output_ids) == MAX_NEW
 
 
+def test_an_update_resets_the_prefix_cache(engine):
+    """Colocated mode caches prefixes; KV cached under the old weights must serve no request after an update
+    (a new request would read KV older than its admission)."""
+    pool = engine._core.scheduler.kv_cache_manager.block_pool
+    prompt = [5 + i % 150 for i in range(300)]
+    engine.generate([GenerationRequest("cached", prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=0))])
+    assert len(pool.cached_block_hash_to_block._cache) > 0
+    engine.version = engine.version + 1
+    assert len(pool.cached_block_hash_to_block._cache) == 0
+
+
+def test_a_prompt_prefilled_across_an_update_keeps_the_older_version(model_dir, monkeypatch):
+    """Issue 33: vLLM prefills a long prompt in chunks (its default on CUDA; colorl turns it off on CPU, so it
+    is turned on here). With an update between two chunks every token is sampled by the new weights but reads
+    the prompt KV of the old ones: the sample's version is the old one. A request that vLLM had not started
+    at the update keeps the new version. Built as bounded-lag builds it: no prefix cache at all."""
+    import vllm
+
+    real = vllm.LLM
+
+    def chunked(**options):
+        options.update(enable_chunked_prefill=True, max_num_batched_tokens=32)
+        return real(**options)
+
+    monkeypatch.setattr(vllm, "LLM", chunked)
+    engine = build_engine("vllm", model_dir, EngineConfig(max_num_seqs=4, num_blocks=64, in_flight_updates=True))
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)  # a seeded chunked prefill rewinds
+    try:                                                                           # its generator: CPU torch refuses
+        assert engine._engine.vllm_config.cache_config.enable_prefix_caching is False
+        engine.add(GenerationRequest("long", [5 + i % 150 for i in range(100)], unseeded))
+        _advance(engine, 1)  # the prompt's first 32 tokens, at version 0
+        engine.add(GenerationRequest("queued", [5, 6, 7], unseeded))
+        engine.version = 1
+        done = {}
+        while engine.has_unfinished():
+            done.update((r.request_id, r) for r in engine.step())
+    finally:
+        engine.shutdown()
+    assert done["long"].versions == [1] * 4 and done["long"].state_version == 0 and done["long"].first_version == 0
+    assert done["queued"].versions == [1] * 4 and done["queued"].first_version == 1
+
+
+def test_a_resumed_request_carries_its_state_version(engine):
+    """An interrupted part's state version (GenerationRequest.state_version) comes back in the result."""
+    older = engine.version
+    engine.version = older + 1
+    (r,) = engine.generate([GenerationRequest("carried", [5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                                                  seed=0), state_version=older)])
+    assert r.versions == [older + 1] * 3 and r.state_version == older and r.first_version == older
+
+
 def _openmp() -> ctypes.CDLL:
     """torch's OpenMP runtime, which vLLM's kernels share (they link libtorch_cpu)."""
     (library,) = (Path(torch.__file__).parent / "lib").glob("libgomp*.so*")

@@ -46,3 +46,24 @@ def template_tokenizer(name: str):
     if TEMPLATES[name] is not None:
         tokenizer.chat_template = TEMPLATES[name]
     return tokenizer
+
+
+def save_template_model(out, name: str):
+    """A tiny Llama (head size 32, which vLLM's CPU attention takes) saved with template `name`'s tokenizer:
+    a `model.path` for whole runs. It ends its messages with the template's end of turn."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colorl.models import tiny_config
+
+    tokenizer = template_tokenizer(name)
+    config = tiny_config(len(tokenizer), head_dim=32)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
