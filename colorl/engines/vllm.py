@@ -38,6 +38,9 @@ verbs map:
                    after every update; in bounded-lag (`engine.in_flight_updates`) requests may
                    be running then and vLLM resets it only when none is, so prefix caching is off
                    there (no new request starts from prompt KV of an older version).
+    read-back      `read_weights()` (the bit-exact check of `colorl doctor`) reads the model runner's
+                   own parameters through `apply_model`, not the copy: on CPU a linear layer's
+                   weight is read back through the kernel vLLM computes with (`_served_weights`).
     sleep / wake   CUDA: `sleep(level)` (1: weights to host, KV dropped; 2: both dropped; the
                    weights come back from the copy here on wake) / `wake_up()`. A sync while
                    asleep only writes the copy: vLLM's weights are unmapped then, and a level-1
@@ -277,6 +280,20 @@ class VLLMEngine(Engine):
         super().load_weights(named_tensors)
         self._dirty = True
 
+    def read_weights(self) -> dict[str, torch.Tensor | None]:
+        """HF name -> each weight as vLLM's model runner computes with it (None: it cannot be read
+        back), from the worker's own model, not the copy. Asleep on CUDA its weights are unmapped:
+        it is woken (loading what the next wake would), read, and put back to sleep at its level."""
+        level = self._asleep
+        if level:
+            self.wake()
+        try:
+            (served,) = self._llm.apply_model(_served_weights)
+        finally:
+            if level:
+                self.sleep(level)
+        return served
+
     @property
     def version(self) -> int:
         return self._version
@@ -374,6 +391,45 @@ def _repack_vocab_layers(model) -> None:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.quant_method.process_weights_after_loading(module)
+
+
+def _served_weights(model) -> dict[str, torch.Tensor | None]:
+    """HF name -> each weight of a vLLM model as it computes with it, a host copy. A packed module
+    (`packed_modules_mapping`: qkv_proj, gate_up_proj) is split into its checkpoint parts by its
+    output sizes. vLLM's CPU build hands every linear weight to its GEMM kernel (oneDNN's packed
+    layout, sgl-kernel's, zentorch's) and empties the parameter (`dispatch_cpu_unquantized_gemm`):
+    such a weight is read back through the layer's kernel, `cpu_linear(I) = I Wᵀ`, which is Wᵀ bit for
+    bit (each output sums one product with 1 and products with 0). An empty weight with no kernel
+    to read it through is None: it cannot be read back."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    served: dict[str, torch.Tensor | None] = {}
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            head, _, leaf = prefix.rpartition(".")
+            parts = packed.get(leaf)
+            for kind, param in module.named_parameters(recurse=False):
+                tensor = _through_kernel(module, param) if kind == "weight" and hasattr(module, "cpu_linear") else param
+                if tensor is not None and tensor.numel() == 0:
+                    tensor = None
+                if tensor is not None:
+                    tensor = tensor.detach().to("cpu", param.dtype, copy=True)  # sgl-kernel keeps biases in fp32
+                    if getattr(module, "org_vocab_size", None):  # the vocabulary, padded to a multiple of 64
+                        tensor = tensor[:module.org_vocab_size]
+                if not parts:
+                    served[f"{prefix}.{kind}"] = tensor
+                    continue
+                chunks = tensor.split(module.output_partition_sizes) if tensor is not None else [None] * len(parts)
+                for part, chunk in zip(parts, chunks):
+                    served[f"{head + '.' if head else ''}{part}.{kind}"] = chunk
+    return served
+
+
+def _through_kernel(module, weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in]: the weight a CPU linear layer's kernel multiplies by, read through the kernel."""
+    size = weight.shape[1] if weight.dim() == 2 and weight.numel() else getattr(module, "input_size_per_partition", None)
+    if size is None:
+        return None
+    return module.cpu_linear(torch.eye(size, dtype=weight.dtype), weight, None).t()
 
 
 def _check_spans(spans, live: _Live, carried: int) -> None:
