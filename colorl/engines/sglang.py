@@ -302,7 +302,8 @@ class SGLangEngine(Engine):
         from colorl.sync.verify import compare
 
         if self._reads_back is None:
-            self._reads_back = self._engine.get_weights_by_name(next(iter(self._weights)), truncate_size=1) is not None
+            first = next(iter(self._weights))
+            self._reads_back = self._engine.get_weights_by_name(first, truncate_size=1) is not None
         return compare(self.read_weights(), expected) if self._reads_back else self._compare_checksums(expected)
 
     def read_weights(self, rows: int = VERIFY_ROWS) -> dict[str, torch.Tensor]:
