@@ -56,7 +56,12 @@ verbs map:
                    thread_num`), and a thread's first torch parallel region resets that thread's
                    count to torch's process-wide one: in a new thread (bounded-lag's rollout
                    loop) the count changed inside the first step. The rollout loop's share of the
-                   cores is therefore fixed for vLLM: the worker builds it with that share.
+                   cores is therefore fixed for vLLM: the worker builds it with that share. A weight
+                   update and the read-back run with it too: a reload re-packs each linear layer for
+                   its oneDNN kernel, and packed at another team size the merged gate/up weights of
+                   the tiny model took another layout, while the kernels' matmul primitives, cached
+                   per shape for every engine in the process, still expected the first one: an
+                   engine computed with scrambled gate/up weights (log-probs 0.1 off the model's).
 
 CPU needs: head sizes 32, 64, 80, 96, ... (vLLM's CPU attention refuses 16), and KV blocks that
 are multiples of 32 (vLLM picks its own block size; `engine.block_size` is not used).
@@ -288,7 +293,8 @@ class VLLMEngine(Engine):
         if level:
             self.wake()
         try:
-            (served,) = self._llm.apply_model(_served_weights)
+            with pinned(self._threads):  # through the same kernels the steps run
+                (served,) = self._llm.apply_model(_served_weights)
         finally:
             if level:
                 self.sleep(level)
@@ -313,9 +319,10 @@ class VLLMEngine(Engine):
         if running:
             self._core.pause_scheduler(mode="keep", clear_cache=False)
         weights = self._weights
-        self._engine.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
-        self._llm.apply_model(_repack_vocab_layers)
+        with pinned(self._threads):  # the kernels are packed for the team size the steps run with (docstring)
+            self._engine.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
+            self._llm.apply_model(_repack_vocab_layers)
         if running:
             self._core.resume_scheduler()
         elif not self._engine.reset_prefix_cache():
