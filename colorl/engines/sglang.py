@@ -70,6 +70,9 @@ ATTENTION_BACKENDS = {torch.float32: "torch_native"}
 RELEASE_TAGS = {1: ("kv_cache",), 2: ("kv_cache", "weights", "cuda_graph")}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 VERIFY_ROWS = 64  # rows of each weight read back for the check after a sync
+# the Llama and Qwen2 models' `stacked_params_mapping`: HF name part -> (SGLang's fused one, shard position)
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 HOST_SIGNALS = (signal.SIGTERM, signal.SIGQUIT)
 
 
@@ -141,6 +144,8 @@ class SGLangEngine(Engine):
         from colorl.models import meta_model
 
         self._io = io_struct
+        self._device = torch.device(device)  # where SGLang's weights are: checksums hash there
+        self._reads_back: bool | None = None  # whether get_weights_by_name answers for this model family
         self._version = 0
         self._block_size = engine_cfg.block_size
         gpu = torch.cuda.current_device() if torch.device(device).type == "cuda" else 0
@@ -296,11 +301,21 @@ class SGLangEngine(Engine):
         can be loaded, through `update_weights_from_tensor`."""
         return self._weights
 
+    def compare_weights(self, expected: Mapping[str, torch.Tensor]):
+        """The bit-exact check after a sync (colorl/sync/verify.py), against SGLang's own weights:
+        row prefixes read back through `get_weights_by_name` where its model class offers it (the
+        Llama family), else SGLang's weight checksums (`check_weights`, e.g. Qwen2 in 0.5.23)."""
+        from colorl.sync.verify import compare
+
+        if self._reads_back is None:
+            first = next(iter(self._weights))
+            self._reads_back = self._engine.get_weights_by_name(first, truncate_size=1) is not None
+        return compare(self.read_weights(), expected) if self._reads_back else self._compare_checksums(expected)
+
     def read_weights(self, rows: int = VERIFY_ROWS) -> dict[str, torch.Tensor]:
         """The first `rows` rows of every weight as SGLang serves them (`get_weights_by_name`, which
-        returns float32 lists: exact for bf16/fp16 weights), for the bit-exact check after a sync.
-        SGLang answers it for the Llama family (not Qwen2 in 0.5.23), and only row prefixes are
-        practical: it returns Python lists."""
+        returns float32 lists: exact for bf16/fp16 weights). Only row prefixes are practical: it
+        returns Python lists."""
         served = {}
         for name, meta in self._weights.items():
             values = self._engine.get_weights_by_name(name, truncate_size=rows)
@@ -309,6 +324,22 @@ class SGLangEngine(Engine):
                                    f"cannot be read back from SGLang {SGLANG_VERSION}")
             served[name] = torch.tensor(values, dtype=torch.float32).to(meta.dtype)
         return served
+
+    def _compare_checksums(self, expected: Mapping[str, torch.Tensor]):
+        """SGLang's weight checker hashes every parameter of its model (`tensor_hash`: on CUDA a Triton
+        kernel over the bytes, on the host sha256) in its fused layout: the expected weights are fused
+        the same way (`STACKED`) and hashed with the same function on the same device."""
+        from sglang.srt.managers.mm_utils import tensor_hash
+
+        from colorl.sync.verify import Comparison
+
+        ok, message, ranks, _ = self._run(self._tm.check_weights(self._io.CheckWeightsReqInput(action="checksum"), None))
+        if not ok:
+            raise RuntimeError(f"sglang check_weights failed: {message}")
+        served = ranks[0]["checksums"]  # tensor-parallel size 1: one rank
+        fused = _fused(expected)
+        return Comparison(differing=[name for name, tensor in fused.items()
+                                     if served.get(name) != f"{tensor_hash(tensor.to(self._device)):016x}"])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One bucket of (HF name, full tensor); the first of a sync opens the update."""
@@ -391,6 +422,17 @@ class SGLangEngine(Engine):
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def _fused(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights in SGLang's layout: q/k/v and gate/up concatenated in shard order (`STACKED`)."""
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        module, _, kind = name.rpartition(".")
+        head, _, leaf = module.rpartition(".")
+        fused, position = STACKED.get(leaf, (leaf, 0))
+        shards.setdefault(f"{head}.{fused}.{kind}", {})[position] = tensor
+    return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
 
 
 def _versions(meta: Mapping, count: int, fallback: int) -> list[int]:

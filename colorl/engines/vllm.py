@@ -44,6 +44,9 @@ verbs map:
                    after every update; in bounded-lag (`engine.in_flight_updates`) requests may
                    be running then and vLLM resets it only when none is, so prefix caching is off
                    there (no new request starts from prompt KV of an older version).
+    read-back      `read_weights()` (the bit-exact check of `colorl doctor`) reads the model runner's
+                   own parameters through `apply_model`, not the copy: on CPU a linear layer's
+                   weight is read back through the kernel vLLM computes with (`_served_weights`).
     sleep / wake   CUDA: `sleep(level)` (1: weights to host, KV dropped; 2: both dropped; the
                    weights come back from the copy here on wake) / `wake_up()`. A sync while
                    asleep only writes the copy: vLLM's weights are unmapped then, and a level-1
@@ -59,7 +62,12 @@ verbs map:
                    thread_num`), and a thread's first torch parallel region resets that thread's
                    count to torch's process-wide one: in a new thread (bounded-lag's rollout
                    loop) the count changed inside the first step. The rollout loop's share of the
-                   cores is therefore fixed for vLLM: the worker builds it with that share.
+                   cores is therefore fixed for vLLM: the worker builds it with that share. A weight
+                   update and the read-back run with it too: a reload re-packs each linear layer for
+                   its oneDNN kernel, and packed at another team size the merged gate/up weights of
+                   the tiny model took another layout, while the kernels' matmul primitives, cached
+                   per shape for every engine in the process, still expected the first one: an
+                   engine computed with scrambled gate/up weights (log-probs 0.1 off the model's).
 
 CPU needs: head sizes 32, 64, 80, 96, ... (vLLM's CPU attention refuses 16), and KV blocks that
 are multiples of 32 (vLLM picks its own block size; `engine.block_size` is not used).
@@ -286,6 +294,21 @@ class VLLMEngine(Engine):
         super().load_weights(named_tensors)
         self._dirty = True
 
+    def read_weights(self) -> dict[str, torch.Tensor | None]:
+        """HF name -> each weight as vLLM's model runner computes with it (None: it cannot be read
+        back), from the worker's own model, not the copy. Asleep on CUDA its weights are unmapped:
+        it is woken (loading what the next wake would), read, and put back to sleep at its level."""
+        level = self._asleep
+        if level:
+            self.wake()
+        try:
+            with pinned(self._threads):  # through the same kernels the steps run
+                (served,) = self._llm.apply_model(_served_weights)
+        finally:
+            if level:
+                self.sleep(level)
+        return served
+
     @property
     def version(self) -> int:
         return self._version
@@ -306,9 +329,10 @@ class VLLMEngine(Engine):
             self._core.pause_scheduler(mode="keep", clear_cache=False)
             self._note_kv_before_update()
         weights = self._weights
-        self._engine.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
-        self._llm.apply_model(_repack_vocab_layers)
+        with pinned(self._threads):  # the kernels are packed for the team size the steps run with (docstring)
+            self._engine.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
+            self._llm.apply_model(_repack_vocab_layers)
         if running:
             self._core.resume_scheduler()
         elif not self._engine.reset_prefix_cache():
@@ -395,6 +419,45 @@ def _repack_vocab_layers(model) -> None:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.quant_method.process_weights_after_loading(module)
+
+
+def _served_weights(model) -> dict[str, torch.Tensor | None]:
+    """HF name -> each weight of a vLLM model as it computes with it, a host copy. A packed module
+    (`packed_modules_mapping`: qkv_proj, gate_up_proj) is split into its checkpoint parts by its
+    output sizes. vLLM's CPU build hands every linear weight to its GEMM kernel (oneDNN's packed
+    layout, sgl-kernel's, zentorch's) and empties the parameter (`dispatch_cpu_unquantized_gemm`):
+    such a weight is read back through the layer's kernel, `cpu_linear(I) = I Wᵀ`, which is Wᵀ bit for
+    bit (each output sums one product with 1 and products with 0). An empty weight with no kernel
+    to read it through is None: it cannot be read back."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    served: dict[str, torch.Tensor | None] = {}
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            head, _, leaf = prefix.rpartition(".")
+            parts = packed.get(leaf)
+            for kind, param in module.named_parameters(recurse=False):
+                tensor = _through_kernel(module, param) if kind == "weight" and hasattr(module, "cpu_linear") else param
+                if tensor is not None and tensor.numel() == 0:
+                    tensor = None
+                if tensor is not None:
+                    tensor = tensor.detach().to("cpu", param.dtype, copy=True)  # sgl-kernel keeps biases in fp32
+                    if getattr(module, "org_vocab_size", None):  # the vocabulary, padded to a multiple of 64
+                        tensor = tensor[:module.org_vocab_size]
+                if not parts:
+                    served[f"{prefix}.{kind}"] = tensor
+                    continue
+                chunks = tensor.split(module.output_partition_sizes) if tensor is not None else [None] * len(parts)
+                for part, chunk in zip(parts, chunks):
+                    served[f"{head + '.' if head else ''}{part}.{kind}"] = chunk
+    return served
+
+
+def _through_kernel(module, weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in]: the weight a CPU linear layer's kernel multiplies by, read through the kernel."""
+    size = weight.shape[1] if weight.dim() == 2 and weight.numel() else getattr(module, "input_size_per_partition", None)
+    if size is None:
+        return None
+    return module.cpu_linear(torch.eye(size, dtype=weight.dtype), weight, None).t()
 
 
 def _check_spans(spans, live: _Live, carried: int) -> None:

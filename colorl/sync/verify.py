@@ -7,13 +7,21 @@ shared memory): each full tensor under its engine name, tied weights under both 
 LoRA the merge W0 + s·BA of the current adapters, cast to the engine weight's dtype as the
 checkpoint engine writes it.
 
-An engine whose weights live in another process (SGLang) returns meta tensors from
-`named_weights()`; it is checked through its `read_weights()` (name -> tensor as served, or the
-first rows of it: SGLang reads weights back as Python lists), and an engine that offers neither
-cannot be checked: `WeightCheckUnavailable`.
+The weights compared are those the engine computes with, read back from the engine itself:
+- an engine whose `named_weights()` are the tensors it serves (native, hf) is read there;
+- an engine that serves from elsewhere offers `read_weights()`: name -> the tensor as served, or
+  its first rows, or None where that weight cannot be read back (vLLM: its model runner's own
+  parameters, a CPU kernel's packed linear read back through the kernel; the staging copy its
+  `named_weights()` returns is not what it serves);
+- or `compare_weights(expected)` -> `Comparison`, when the engine can only compare in its own
+  terms (SGLang: row prefixes through `get_weights_by_name`, else its weight checksums).
+A weight that cannot be read back is not passed silently: the verifier lists it in `unread`,
+and `colorl doctor` says so in the case's line. An engine that offers none of these (meta
+tensors and no read-back) cannot be checked: `WeightCheckUnavailable`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -33,17 +41,42 @@ class WeightCheckUnavailable(RunFault):
     """The engine's served weights cannot be read back, so a sync cannot be checked."""
 
 
-def served_weights(engine) -> Mapping[str, torch.Tensor]:
-    """The engine's weights as it serves them: live `named_weights()`, else its `read_weights()`."""
+@dataclass
+class Comparison:
+    """An engine's served weights against the expected ones, by engine name."""
+
+    differing: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)  # the engine cannot read these back: not compared
+
+
+def compare(served: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor],
+            aliases: Mapping[str, str] | None = None) -> Comparison:
+    """`served` (a None value: that weight cannot be read back) against `expected`; `aliases`: a
+    name the engine may serve a tied weight under besides its source's (alias -> source), compared
+    when it does."""
+    result = Comparison()
+    pairs = [*expected.items(), *((alias, expected[source]) for alias, source in (aliases or {}).items()
+                                   if alias in served and alias not in expected and source in expected)]
+    for name, tensor in pairs:
+        if name in served and served[name] is None:
+            result.unread.append(name)
+        elif name not in served or not _equal_rows(served[name], tensor):
+            result.differing.append(name)
+    return result
+
+
+def compare_served(engine, expected: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None = None) -> Comparison:
+    """The weights `engine` computes with against `expected`, through the engine's own read-back."""
+    if hasattr(engine, "compare_weights"):
+        return engine.compare_weights(expected)
+    if hasattr(engine, "read_weights"):
+        return compare(engine.read_weights(), expected, aliases)
     weights = engine.named_weights()
-    if not any(t.is_meta for t in weights.values()):
-        return weights
-    reader = getattr(engine, "read_weights", None)
-    if reader is None:
+    if any(t.is_meta for t in weights.values()):
         raise WeightCheckUnavailable(
             f"{type(engine).__name__} keeps its weights in another process and has no read_weights(): "
             f"the weights it serves after a sync cannot be compared with the trainer's")
-    return reader()
+    return compare(weights, expected, aliases)
 
 
 def _equal_rows(served: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -65,6 +98,7 @@ class SyncVerifier:
         self.lora = lora
         self.engine_specs = dict(engine_specs)
         self.checked: list[int] = []  # versions verified on this rank, in order
+        self.unread: set[str] = set()  # engine weights the engine could not read back, so not compared
 
     def expected(self) -> dict[str, torch.Tensor]:
         """Engine name -> the tensor it must hold now (a copy; collective at world size > 1)."""
@@ -86,14 +120,13 @@ class SyncVerifier:
         return expected
 
     def check(self, engine, expected: Mapping[str, torch.Tensor], version: int) -> None:
-        """Raise WeightMismatch unless every engine weight equals `expected` bit for bit."""
-        served = served_weights(engine)
-        missing = sorted(set(self.engine_specs) - set(expected))
-        differing = [name for name, tensor in expected.items()
-                     if name not in served or not _equal_rows(served[name], tensor)]
-        if missing or differing:
-            names = missing + differing
+        """Raise WeightMismatch unless every engine weight it can read back equals `expected` bit for bit."""
+        aliases = {alias: source for alias, source in self.name_map.tied if alias not in self.engine_specs}
+        result = compare_served(engine, expected, aliases)
+        names = sorted(set(self.engine_specs) - set(expected)) + result.differing
+        if names:
             raise WeightMismatch(
                 f"weight sync to version {version}: {len(names)} of {len(self.engine_specs)} engine weights "
                 f"differ from the trainer's (first: {names[0]})")
+        self.unread.update(result.unread)
         self.checked.append(version)

@@ -70,6 +70,32 @@ class UpdateWeightVersionReqInput:
 
 
 @dataclass(kw_only=True)
+class CheckWeightsReqInput:
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list | None = None
+    selector: str = "all"
+
+
+# SGLang's fused layout of the Llama and Qwen2 families (their `stacked_params_mapping`): HF name part ->
+# (SGLang's, shard position); the weight checker hashes the fused tensors
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+READ_BACK_FAMILIES = ("llama",)  # model types whose SGLang model class has get_weights_by_name (not Qwen2)
+
+
+def sglang_layout(model) -> dict[str, torch.Tensor]:
+    """The model's parameters as SGLang's model holds them: q/k/v and gate/up fused."""
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        head, _, leaf = module.rpartition(".")
+        fused, position = STACKED.get(leaf, (leaf, 0))
+        shards.setdefault(f"{head}.{fused}.{kind}", {})[position] = p.detach()
+    return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
+
+
+@dataclass(kw_only=True)
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
@@ -178,6 +204,25 @@ class TokenizerManager:
             if state.output_ids:
                 state.events.append((old, len(state.output_ids)))
         self.engine.weight_version = obj.new_version
+
+
+    async def check_weights(self, obj: CheckWeightsReqInput, request=None):
+        """As TokenizerControlMixin.check_weights with action "checksum" (one TP rank): (success, message,
+        [the rank's ChecksumInfo], per-engine checksum); each weight hashed as WeightChecker does, in
+        SGLang's fused layout, with the wheel's own tensor_hash."""
+        import hashlib
+
+        assert obj.action == "checksum", obj.action
+        self.engine.calls.append(("check_weights", obj.action))
+        checksums = {name: f"{sglang_wheel.tensor_hash()(t):016x}" for name, t in sglang_layout(self.engine.model).items()}
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        info = {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(),
+                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                      "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]}
+        return True, "Success.", [info], hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
 
 
 class Engine:
@@ -332,6 +377,8 @@ class Engine:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         """As LlamaForCausalLM.get_weights_by_name: the first `truncate_size` rows as float32 lists."""
         self.calls.append(("get_weights_by_name", name, truncate_size))
+        if self.model.config.model_type not in READ_BACK_FAMILIES:  # the model class lacks it: SGLang logs, gives None
+            return None
         params = dict(self.model.named_parameters())
         if name == "lm_head.weight" and name not in params:
             name = "model.embed_tokens.weight"
@@ -412,14 +459,17 @@ def install(monkeypatch) -> None:
 
     monkeypatch.setattr(PolicyTrainer, "__init__", trainer_then_cached)
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput, FlushCacheReqOutput):
+    for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput, FlushCacheReqOutput,
+                CheckWeightsReqInput):
         setattr(io_struct, cls.__name__, cls)
+    mm_utils = types.ModuleType("sglang.srt.managers.mm_utils")
+    mm_utils.tensor_hash = sglang_wheel.tensor_hash()
     package = types.ModuleType("sglang")
     package.Engine = Engine
     package.__version__ = "0.5.23"
     srt, managers = types.ModuleType("sglang.srt"), types.ModuleType("sglang.srt.managers")
-    package.srt, srt.managers, managers.io_struct = srt, managers, io_struct
+    package.srt, srt.managers, managers.io_struct, managers.mm_utils = srt, managers, io_struct, mm_utils
     for name, module in (("sglang", package), ("sglang.srt", srt), ("sglang.srt.managers", managers),
-                         ("sglang.srt.managers.io_struct", io_struct)):
+                         ("sglang.srt.managers.io_struct", io_struct), ("sglang.srt.managers.mm_utils", mm_utils)):
         monkeypatch.setitem(sys.modules, name, module)
     Engine.instances.clear()

@@ -266,7 +266,7 @@ def test_engine_methods_and_keywords_exist(wheel, uses):
 
 def test_tokenizer_manager_methods_and_request_classes_exist(wheel, uses):
     assert {m for m, _ in uses.tokenizer_manager} == {"pause_generation", "continue_generation",
-                                                      "update_weight_version", "abort_request"}
+                                                      "update_weight_version", "abort_request", "check_weights"}
     for method, keywords in uses.tokenizer_manager:
         assert method in wheel.tokenizer_manager_methods, f"TokenizerManager has no {method}"
         assert keywords <= wheel.tokenizer_manager_methods[method]
@@ -281,6 +281,7 @@ def test_sampling_keys_and_reply_fields_exist(wheel, uses):
     assert uses.sampling <= wheel.sampling_params, uses.sampling - wheel.sampling_params
     produced = wheel.strings("sglang/srt/managers/tokenizer_manager.py", "sglang/srt/utils/weight_versions.py",
                              "sglang/srt/managers/scheduler.py")
+    produced |= set(wheel.io_struct["ChecksumInfo"])  # check_weights' reply: one ChecksumInfo per TP rank
     assert uses.reply_keys >= {"output_ids", "meta_info", "finish_reason", "output_token_logprobs", "type",
                                "weight_versions", "version", "start", "end", "max_total_num_tokens"}
     assert sorted(uses.reply_keys - produced) == []
@@ -289,6 +290,26 @@ def test_sampling_keys_and_reply_fields_exist(wheel, uses):
     tags = wheel.strings("sglang/srt/constants.py")
     assert {tag for level in adapter.RELEASE_TAGS.values() for tag in level} <= tags
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" in wheel.text("sglang/srt/layers/sampler.py")
+
+
+def test_the_checksum_check_hashes_what_the_adapter_hashes(wheel):
+    """Qwen2's SGLang model cannot be read back (no get_weights_by_name), so the adapter compares
+    SGLang's weight checksums: each parameter of the model, fused as its stacked_params_mapping says
+    (the adapter's STACKED), hashed with mm_utils.tensor_hash as f"{h:016x}"; the reply carries them
+    per rank under "checksums"."""
+    assert "get_weights_by_name" not in wheel.functions("sglang/srt/models/qwen2.py")
+    checker = wheel.text("sglang/srt/utils/weight_checker.py")
+    assert "from sglang.srt.managers.mm_utils import tensor_hash" in checker
+    assert 'return f"{tensor_hash(t):016x}"' in checker
+    assert "checksums[name] = _hash_tensor(comparable.dequantize().data)" in checker
+    for model in ("qwen2", "llama"):
+        triples = {tuple(e.value for e in node.elts) for node in ast.walk(wheel.tree(f"sglang/srt/models/{model}.py"))
+                   if isinstance(node, ast.Tuple) and len(node.elts) == 3 and all(isinstance(e, ast.Constant) for e in node.elts)}
+        for part, (fused, shard) in adapter.STACKED.items():
+            shard_id = "qkv"[shard] if fused == "qkv_proj" else shard
+            assert {(fused, part, shard_id), (f".{fused}", f".{part}", shard_id)} & triples, (model, part)
+    returns = ast.unparse(wheel.tokenizer_manager_functions["check_weights"].returns)
+    assert returns == "Tuple[bool, str, Optional[List[Dict]], Optional[str]]", returns
 
 
 def test_update_must_run_inside_a_weight_update_session(wheel):
@@ -375,7 +396,7 @@ def test_standin_signatures_exist_in_the_wheel(wheel):
             assert _positional(function) == theirs[:len(_positional(function))], \
                 f"stand-in {name}.{method} orders its parameters {_positional(function)}, the wheel {theirs}"
     for name in ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightVersionReqInput",
-                 "FlushCacheReqOutput"):
+                 "FlushCacheReqOutput", "CheckWeightsReqInput"):
         mine, theirs = _fields(classes[name]), wheel.io_struct[name]
         assert set(mine) <= set(theirs), f"stand-in {name} fields {set(mine) - set(theirs)}"
         for field, default in mine.items():

@@ -254,6 +254,62 @@ def test_every_step_runs_with_the_team_size_the_engine_was_built_with(model_dir,
     assert {count for _, count in seen} == {1}, seen
 
 
+def test_an_update_from_a_thread_of_another_team_size_serves_what_a_fresh_engine_would(model_dir, tmp_path):
+    """Bounded-lag applies an update in its rollout thread, requests in flight, at that thread's team
+    size; the reload re-packs every linear layer for its oneDNN kernel. Packed at a team size other
+    than the engine's, the merged gate/up weights took another layout than the kernels' primitives
+    (cached per shape for the whole process) expected, and an engine computed with scrambled
+    weights. After the update the engine reads back the weights it was given, and it samples
+    exactly what a fresh engine built from those weights samples: the same tokens, the same
+    log-probs bit for bit, each within 2e-4 of the model's own."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from colorl.sync.verify import compare
+
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    built = torch.get_num_threads()  # the module's engine was built with it too: one packing per process
+    other = 1 if built > 1 else 2
+    engine = build_engine("vllm", model_dir, EngineConfig(max_num_seqs=4, num_blocks=64))
+    noise = torch.Generator().manual_seed(0)
+    probes: list = []
+
+    def rollout_loop():
+        set_threads(other)
+        for r in requests(4, 1.0, "inflight"):
+            engine.add(r)
+        for version in (1, 2):
+            _advance(engine, 2)
+            with torch.no_grad():  # a training step's worth of change, written in place as the sync does
+                for tensor in engine.named_weights().values():
+                    tensor.add_(torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype) * 1e-2)
+            engine.version = version
+            assert compare(engine.read_weights(), engine.named_weights(), tied).differing == [], version
+        while engine.has_unfinished():
+            engine.step()
+        probes.extend(engine.generate(requests(4, 1.0, "probe", max_new=24)))
+
+    updated_dir = tmp_path / "version-2"
+    shutil.copytree(model_dir, updated_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    try:
+        _in_new_thread(rollout_loop)
+        save_file({name: t.clone() for name, t in engine.named_weights().items()}, str(updated_dir / "model.safetensors"))
+    finally:
+        engine.shutdown()
+    fresh = build_engine("vllm", updated_dir, EngineConfig(max_num_seqs=4, num_blocks=64))
+    try:
+        assert compare(fresh.read_weights(), fresh.named_weights(), tied).differing == []
+        expected = fresh.generate(requests(4, 1.0, "probe", max_new=24))
+    finally:
+        fresh.shutdown()
+    assert [(r.output_ids, r.logprobs) for r in probes] == [(r.output_ids, r.logprobs) for r in expected]
+    model = load_model(updated_dir).eval()
+    for r in probes:
+        torch.testing.assert_close(torch.tensor(r.logprobs), teacher_forced(model, r.prompt_ids, r.output_ids, 1.0),
+                                   atol=2e-4, rtol=0)
+
+
 class CudaSleepDouble:
     """vLLM 0.32's sleep mode on CUDA (CuMemAllocator, gpu_worker.py `sleep` / `wake_up`) over the real
     CPU engine's model: sleep(1) copies the weights to the host and unmaps their device memory, sleep(2)

@@ -3,6 +3,7 @@ modes, LoRA, eval, resume, with the checkpoint engine's bit-exact check after ev
 doctor's rank function), on the tiny model with head_dim 32 (vLLM's CPU attention refuses 16)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,56 @@ def test_doctor_runs_its_vllm_cases_on_the_model_vllm_accepts_on_a_quiet_screen(
     assert all(f"PASS  {case} " in out for case in cases), out
     # the doctor's verdicts and, indented under each, its memory per phase
     assert all(line.startswith(("colorl doctor:", "PASS  ", "    after ")) for line in (out + err).splitlines()), out + err
+
+
+@pytest.mark.timeout(600)
+def test_doctor_reads_back_what_vllm_computes_with_not_its_sync_copy(tmp_path, capsys, monkeypatch):
+    """After the sync to version 2 one value of vLLM's own model (in its worker) is one ulp off while
+    the copy the sync wrote is intact: the doctor's case fails naming the weight. Untouched, the same
+    case passes (the test above)."""
+    from doctor_faults import rank_with_corrupt_engine  # tests/helpers
+
+    from colorl import doctor
+
+    monkeypatch.setattr(doctor, "checked_rank", rank_with_corrupt_engine)
+    code = main(["doctor", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "d"),
+                 "--case", "vllm/colocated/sleep1/full"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert re.search(r"FAIL  vllm/colocated/sleep1/full .*weight sync to version 2: 1 of \d+ engine weights differ "
+                     r"from the trainer's \(first: model\.norm\.weight\)", out), out
+
+
+def test_vllms_cpu_kernels_are_read_back_bit_for_bit(tmp_path):
+    """vLLM's CPU build empties every linear weight into its kernel's packed layout: read back through
+    the kernel, what it computes with equals the checkpoint bit for bit, the tied LM head included; a
+    kernel left stale by a reload (the LM head's, had the embedding not been repacked) is caught."""
+    from colorl.config import EngineConfig
+    from colorl.engines import build_engine
+    from colorl.engines import vllm as adapter
+    from colorl.sync.verify import compare
+
+    engine = build_engine("vllm", resolve_model_path(TINY_HD32_ALIAS), EngineConfig(max_num_seqs=4, num_blocks=64))
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    try:
+        (emptied,) = engine._llm.apply_model(lambda model: sorted(
+            name for name, p in model.named_parameters() if p.numel() == 0))
+        assert "model.layers.0.self_attn.qkv_proj.weight" in emptied  # what a read of the parameters would miss
+        served = engine.read_weights()
+        assert compare(served, engine.named_weights(), tied).differing == [] and "lm_head.weight" in served
+        with torch.no_grad():
+            for tensor in engine.named_weights().values():
+                tensor.mul_(1.5)
+        skipped = []
+        original = adapter._repack_vocab_layers
+        adapter._repack_vocab_layers = lambda model: skipped.append(1)
+        try:
+            engine.version = 1
+        finally:
+            adapter._repack_vocab_layers = original
+        assert skipped and compare(engine.read_weights(), engine.named_weights(), tied).differing == ["lm_head.weight"]
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])

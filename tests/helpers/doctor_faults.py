@@ -23,3 +23,40 @@ def rank_with_corrupt_sync(rank, world, *args):
     checkpoint_engine.copy_rows = corrupting_copy
     checkpoint_engine.CheckpointEngine.sync = sync_marked
     checked_rank(rank, world, *args)
+
+
+def _one_ulp_up(tensor) -> None:
+    with torch.no_grad():
+        tensor.view(-1)[:1] = torch.nextafter(tensor.view(-1)[:1], torch.tensor(float("inf"), dtype=tensor.dtype))
+
+
+def corrupt_served(engine, name: str) -> None:
+    """One value of the engine's own weight `name` one ulp up: vLLM's model in its worker (vLLM names),
+    the SGLang stand-in's scheduler model; never the copy a sync writes into."""
+    if hasattr(engine, "_llm"):
+        engine._llm.apply_model(lambda model: _one_ulp_up(dict(model.named_parameters())[name]))
+    else:
+        _one_ulp_up(dict(engine._engine.model.named_parameters())[name])
+
+
+def rank_with_corrupt_engine(rank, world, *args, name: str = "model.norm.weight", standin: bool = False):
+    """After the sync to version 2 the engine's own weight `name` is one ulp off, its sync copy intact:
+    what an engine that did not take the weights (or a stale kernel) looks like. `standin`: the
+    rank's `import sglang` finds the CPU stand-in."""
+    from colorl.sync.verify import SyncVerifier
+
+    if standin:
+        import pytest
+        from standin_rank import load_standin
+
+        load_standin().install(pytest.MonkeyPatch())
+
+    check = SyncVerifier.check
+
+    def check_corrupted(self, engine, expected, version):
+        if version == 2:
+            corrupt_served(engine, name)
+        check(self, engine, expected, version)
+
+    SyncVerifier.check = check_corrupted
+    checked_rank(rank, world, *args)

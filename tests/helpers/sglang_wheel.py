@@ -27,6 +27,7 @@ SGLANG_VERSION = "0.5.23"  # colorl/engines/sglang.py's; the contract test check
 CACHE = Path(os.environ.get("COLORL_WHEEL_CACHE", Path.home() / ".cache" / "colorl" / "wheels"))
 SERIALISATION = "sglang/srt/utils/common.py"
 TRANSPORT = ("_safe_load_torch_storage", "SafeUnpickler", "MultiprocessingSerializer")
+HASHING = "sglang/srt/managers/mm_utils.py"  # tensor_hash: what the weight checker's checksums hash with
 
 
 class WheelUnavailable(RuntimeError):
@@ -121,3 +122,26 @@ def serializer() -> type:
                  "pybase64": base64, "__name__": "sglang.srt.utils.common"}
     exec(compile(ast.Module(body=wanted, type_ignores=[]), f"<{SERIALISATION} of the wheel>", "exec"), namespace)
     return namespace["MultiprocessingSerializer"]
+
+
+@lru_cache(maxsize=1)
+def tensor_hash():
+    """SGLang 0.5.23's `tensor_hash` (sglang.srt.managers.mm_utils), which its weight checker hashes
+    every weight with (`f"{tensor_hash(t):016x}"`), built from the wheel's own source: its host path
+    (sha256 of the bytes) verbatim; its CUDA path (a Triton kernel) is never reached on CPU."""
+    tree = ast.parse(Wheel(obtain()).text(HASHING))
+    wanted = [node for node in tree.body if getattr(node, "name", None) == "tensor_hash"]
+    assert len(wanted) == 1, "the wheel's tensor_hash moved"
+
+    def gpu_tensor_hash(tensor):
+        raise AssertionError("the stand-in runs on CPU: SGLang's CUDA hash is not reached")
+
+    def flatten_nested_list(nested):  # sglang.srt.utils.common's
+        return [x for sub in nested for x in flatten_nested_list(sub)] if isinstance(nested, list) else [nested]
+
+    import hashlib
+
+    namespace = {"torch": torch, "hashlib": hashlib, "gpu_tensor_hash": gpu_tensor_hash,
+                 "flatten_nested_list": flatten_nested_list, "__name__": "sglang.srt.managers.mm_utils"}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), f"<{HASHING} of the wheel>", "exec"), namespace)
+    return namespace["tensor_hash"]
