@@ -159,7 +159,7 @@ class Worker:
             self.generation += 1
         self.offloaded, self.unmapped = {}, 0
 
-    def reload_weights(self, weights_iterator=None, is_checkpoint_format: bool = True) -> None:
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True) -> None:
         self._require_mapped("reload_weights")
         assert is_checkpoint_format and weights_iterator is not None, "colorl hands over checkpoint-format tensors"
         params = dict(self.model.named_parameters())
@@ -427,7 +427,7 @@ class LLMEngine:
         return self.engine_core.engine_core
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, arrival_time=None, lora_request=None,
-                    tokenization_kwargs=None, trace_headers=None, priority: int = 0, *args, **kwargs) -> None:
+                    tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
         assert params.output_kind is RequestOutputKind.DELTA and params.logprobs == 0, "colorl streams deltas with one log-prob"
         seed = params.seed if params.seed is not None else self._seed
         self._core.add(_Request(request_id, list(prompt["prompt_token_ids"]), params,
