@@ -18,7 +18,11 @@ tiny model, each with the checkpoint engine's bit-exact check after every sync a
                  (ChatML, trimming ChatML, Llama 3, SmolLM2, a BOS per turn), tool messages included
 
 The SGLang column is colorl's real adapter over the CPU stand-in of the package
-(tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py.
+(tests/engines/sglang_standin.py), installed in each rank by tests/helpers/standin_rank.py. The
+vllm-standin column is colorl's real vLLM adapter over the stand-in of vLLM's CUDA build
+(tests/engines/vllm_standin.py: sleep levels, the executor's device per rank, async scheduling),
+every run of it as on a GPU box under the device-placement recorder, so the adapter takes its
+CUDA branch; the vllm column is the real CPU build, its CPU branch.
 """
 from __future__ import annotations
 
@@ -53,6 +57,27 @@ def _standin_rank() -> Callable:
     return sglang_standin_rank
 
 
+def _vllm_standin_rank() -> Callable:
+    from device_recorder import on_own_gpu  # tests/helpers
+    from standin_rank import vllm_standin_rank
+
+    return functools.partial(on_own_gpu, vllm_standin_rank)
+
+
+def _vllm_wheel_missing() -> str | None:
+    """The stand-in picks each engine's device with the wheel's own executor code (tests/helpers/vllm_wheel.py)."""
+    import vllm_wheel
+
+    return vllm_wheel.missing()
+
+
+def _install_vllm_standin(monkeypatch) -> None:
+    """In the test process too: the config's validation looks for the vllm package."""
+    from standin_rank import load_standin
+
+    load_standin("vllm_standin").install(monkeypatch)
+
+
 def _sglang_wheel_missing() -> str | None:
     """The stand-in runs the wheel's own serialisation code (tests/helpers/sglang_wheel.py)."""
     import sglang_wheel
@@ -72,6 +97,8 @@ class Column:
     needs: str | None = None  # a package the engine needs here; skipped when it is not importable
     missing: Callable[[], str | None] = lambda: None  # anything else it needs: why it cannot run, or None
     sets: tuple[str, ...] = ()  # settings the engine needs (a model it accepts)
+    on_gpu: bool = False  # its ranks already run as on a GPU box (under the device-placement recorder)
+    install: Callable | None = None  # given pytest's monkeypatch: what the test process needs (a stand-in)
 
     def skip_reason(self) -> str | None:
         if self.needs and importlib.util.find_spec(self.needs) is None:
@@ -85,6 +112,8 @@ COLUMNS = [
     Column("hf", "hf"),
     Column("sglang-standin", "sglang", rank=_standin_rank, missing=_sglang_wheel_missing),
     Column("vllm", "vllm", needs="vllm", sets=(f"model.path={CPU_MODELS['vllm']}",)),
+    Column("vllm-standin", "vllm", rank=_vllm_standin_rank, missing=_vllm_wheel_missing, on_gpu=True,
+           install=_install_vllm_standin),
 ]
 BASE = ["task.reward=reward_fns:long_is_right", "rollout.max_new_tokens=8", "run.eval_every=1", "run.eval_prompts=4",
         "filter.zero_variance=true", "train.lr=1e-2", "launch.device=auto", "launch.nproc=1"]
@@ -93,10 +122,12 @@ RESUMABLE = ["run.steps=3", "run.save_every=2", "run.optimizer_state=all"]  # st
 
 
 @pytest.fixture(params=COLUMNS, ids=[c.name for c in COLUMNS])
-def column(request) -> Column:
+def column(request, monkeypatch) -> Column:
     reason = request.param.skip_reason()
     if reason:
         pytest.skip(reason)
+    if request.param.install:
+        request.param.install(monkeypatch)
     return request.param
 
 
@@ -211,13 +242,14 @@ def test_two_ranks_each_on_its_own_gpu(column, tmp_path):
     "cuda"), and every thread that uses the current device has made cuda:r current first."""
     from device_recorder import on_own_gpu
 
-    if column.engine == "vllm":  # its CUDA branch needs vLLM's CUDA build (sleep mode); no stand-in plays it yet
-        pytest.skip("vLLM's CPU build refuses the CUDA branch's options (enable_sleep_mode): issue 29's stand-in")
+    if column.name == "vllm":  # vLLM's CPU build refuses the CUDA branch's options (enable_sleep_mode)
+        pytest.skip("the CUDA branch of the vLLM adapter runs in the vllm-standin column")
     keep = engine_class(column.engine).keeps_kv_across_updates
     sets = ["run.steps=2", "launch.nproc=2", "mode=bounded_lag", "staleness.max=1", "rollout.batch_groups=2",
             f"staleness.partial_rollout={'keep' if keep else 'recompute'}", "task.reward=null",
             "task.env=scripted_envs:DeviceToolEnv", "task.max_turns=4", "filter.zero_variance=false"]
-    ranks = checked_run(column, sets, tmp_path / "run", rank=functools.partial(on_own_gpu, column.rank()))
+    rank = column.rank() if column.on_gpu else functools.partial(on_own_gpu, column.rank())
+    ranks = checked_run(column, sets, tmp_path / "run", rank=rank)
     assert [r["steps"] for r in ranks] == [2, 2] and all(r["checked_versions"][0] == 0 for r in ranks)
     lines = metrics(tmp_path / "run")
     assert_common(lines, 2, eta=1)

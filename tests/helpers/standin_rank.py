@@ -1,5 +1,6 @@
-"""A rank whose `import sglang` finds the CPU stand-in (tests/engines/sglang_standin.py), so colorl's
-SGLang adapter runs whole runs on CPU; spawned by tests/engines/test_conformance.py."""
+"""Ranks whose `import sglang` / `import vllm` finds a CPU stand-in (tests/engines/sglang_standin.py,
+tests/engines/vllm_standin.py), so colorl's adapters run whole runs on CPU; spawned by
+tests/engines/test_conformance.py."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -8,19 +9,26 @@ import pytest
 
 from colorl.doctor import checked_rank
 
-STANDIN = Path(__file__).parents[1] / "engines" / "sglang_standin.py"
+ENGINES = Path(__file__).parents[1] / "engines"
 
 
-def load_standin():
+def load_standin(name: str = "sglang_standin"):
     """The stand-in module, loaded once per process under the name its tests use."""
-    if "sglang_standin" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("sglang_standin", STANDIN)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ENGINES / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["sglang_standin"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["sglang_standin"]
+    return sys.modules[name]
 
 
 def sglang_standin_rank(rank, world, *args):
     load_standin().install(pytest.MonkeyPatch())  # this process only: undone when it exits
+    checked_rank(rank, world, *args)
+
+
+def vllm_standin_rank(rank, world, *args):
+    """Meant to run under the device-placement recorder (device_recorder.on_own_gpu): the stand-in
+    plays vLLM's CUDA build, so colorl's adapter takes its CUDA branch."""
+    load_standin("vllm_standin").install(pytest.MonkeyPatch())
     checked_rank(rank, world, *args)
