@@ -38,8 +38,9 @@ import importlib.machinery
 import math
 import sys
 import types
+import uuid
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -252,6 +253,8 @@ class _Request:
     delivered: int = 0
     version_starts: list[tuple[str, int]] = field(default_factory=list)  # output_processor.py's spans
     aborted: bool = False
+    external_id: str = ""  # the caller's id; request_id is vLLM's internal one (input_processor.py adds 8 characters)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (request.py): the prompt's, from its first step
 
 
 class _BlockPool:
@@ -270,6 +273,7 @@ class Scheduler:
         self.waiting: list[_Request] = []
         self.kv_cache_manager = SimpleNamespace(block_pool=_BlockPool(self))
         self.pause_state = "UNPAUSED"
+        self.requests: dict[str, _Request] = {}  # every request it holds, by internal id
         self.cached_blocks: dict[tuple[int, ...], int] = {}  # prompt prefix -> weights generation it was computed on
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -299,6 +303,7 @@ class EngineCore:
 
     def add(self, req: _Request) -> None:
         self.scheduler.waiting.append(req)
+        self.scheduler.requests[req.request_id] = req
 
     def step(self) -> list[RequestOutput]:
         """step() / step_with_batch_queue(): schedule and run a batch; hand back the oldest queued one."""
@@ -315,6 +320,7 @@ class EngineCore:
             batch = self.worker.execute(ready)
             for req in ready:
                 req.finish = _finish(req, self.args)
+                req.num_computed_tokens = len(req.prompt) + len(req.computed) - 1  # the newest token's KV is next step's
             self.batch_queue.appendleft(batch)
             if len(self.batch_queue) < self.batch_queue_size:
                 return []
@@ -347,11 +353,12 @@ class EngineCore:
             spans = None
             if done:
                 self.scheduler.running.remove(req)
+                self.scheduler.requests.pop(req.request_id, None)
                 ends = [start for _, start in starts[1:]] + [req.delivered]
                 spans = [WeightVersionSpan(v, s, e) for (v, s), e in zip(starts, ends)]
             completion = CompletionOutput(0, "", [token], None, [{token: Logprob(logprob, 1)}],
                                           req.finish[1] if done else None, spans)
-            outputs.append(RequestOutput(req.request_id, [completion], done))
+            outputs.append(RequestOutput(req.external_id or req.request_id, [completion], done))
         return outputs
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -359,6 +366,7 @@ class EngineCore:
             for req in [r for r in queue if r.request_id in request_ids]:
                 req.aborted = True
                 queue.remove(req)
+                self.scheduler.requests.pop(req.request_id, None)
 
     def collective_rpc(self, method, timeout=None, args: tuple = (), kwargs: dict | None = None):
         if method == "reload_weights":
@@ -421,6 +429,7 @@ class LLMEngine:
     def __init__(self, core: EngineCore):
         self.engine_core = InprocClient(core)
         self._seed = core.args.get("seed", 0)
+        self.output_processor = SimpleNamespace(external_req_ids=defaultdict(list))  # output_processor.py's map
 
     @property
     def _core(self) -> EngineCore:
@@ -430,14 +439,23 @@ class LLMEngine:
                     tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
         assert params.output_kind is RequestOutputKind.DELTA and params.logprobs == 0, "colorl streams deltas with one log-prob"
         seed = params.seed if params.seed is not None else self._seed
-        self._core.add(_Request(request_id, list(prompt["prompt_token_ids"]), params,
-                                torch.Generator().manual_seed(seed)))
+        internal_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # input_processor.py: uniqueness by a random suffix
+        self.output_processor.external_req_ids[request_id].append(internal_id)
+        self._core.add(_Request(internal_id, list(prompt["prompt_token_ids"]), params,
+                                torch.Generator().manual_seed(seed), external_id=request_id))
 
     def step(self) -> list[RequestOutput]:
-        return self._core.step()
+        outputs = self._core.step()
+        for output in outputs:
+            if output.finished:
+                self.output_processor.external_req_ids.pop(output.request_id, None)
+        return outputs
 
     def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
-        self._core.abort_requests(request_ids)
+        """External ids abort every internal request made for them (output_processor.abort_requests)."""
+        mapped = self.output_processor.external_req_ids
+        self._core.abort_requests(list(request_ids) if internal else
+                                  [i for rid in request_ids for i in mapped.pop(rid, [])])
 
     def collective_rpc(self, method, timeout=None, args: tuple = (), kwargs: dict | None = None):
         return self._core.collective_rpc(method, timeout, args, kwargs)
