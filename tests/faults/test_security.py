@@ -24,10 +24,10 @@ ALLOWED_DYNAMIC = {
     # user code a config names explicitly: task.reward, task.options.row_map, an environment's module:Class
     ("colorl/user_code.py", "import_named", "import_module"),
     ("colorl/engines/__init__.py", "engine_class", "import_module"),  # a fixed table of colorl's own modules
-    # the SGLang stand-in runs the pinned wheel's own serialisation code (its restricted unpickler),
-    # on payloads the test process made itself, never on a file
-    ("tests/helpers/sglang_wheel.py", "serializer", "exec"),
-    ("tests/helpers/sglang_wheel.py", "serializer", "compile"),
+    # the stand-ins run the pinned wheels' own code (SGLang's restricted unpickler and weight hash, vLLM's
+    # device choice), on inputs the test process made itself, never on a file
+    ("tests/helpers/sglang_wheel.py", "define", "exec"),
+    ("tests/helpers/sglang_wheel.py", "define", "compile"),
 }
 ALLOWED_IMPORTS = {("tests/helpers/sglang_wheel.py", "pickle")}  # the namespace SGLang's SafeUnpickler subclasses in
 

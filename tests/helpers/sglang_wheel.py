@@ -109,6 +109,14 @@ def methods_of(cls: ast.ClassDef) -> dict[str, ast.FunctionDef | ast.AsyncFuncti
     return {node.name: node for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
+def define(nodes: list[ast.stmt], namespace: dict, where: str) -> dict:
+    """Runs definitions taken verbatim from a pinned wheel (SGLang's, vLLM's) with the names their module
+    imports, so that a stand-in computes with the real code; only ever on the pinned wheel's source, the one
+    place the tests run code they did not write (tests/faults/test_security.py allows it here alone)."""
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), f"<{where} of the wheel>", "exec"), namespace)
+    return namespace
+
+
 @lru_cache(maxsize=1)
 def serializer() -> type:
     """SGLang 0.5.23's `MultiprocessingSerializer` (serialize with ForkingPickler; deserialize with
@@ -120,8 +128,7 @@ def serializer() -> type:
     assert sorted(node.name for node in wanted) == sorted(TRANSPORT), "the wheel's serialisation code moved"
     namespace = {"io": io, "pickle": pickle, "torch": torch, "ForkingPickler": ForkingPickler,
                  "pybase64": base64, "__name__": "sglang.srt.utils.common"}
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), f"<{SERIALISATION} of the wheel>", "exec"), namespace)
-    return namespace["MultiprocessingSerializer"]
+    return define(wanted, namespace, SERIALISATION)["MultiprocessingSerializer"]
 
 
 @lru_cache(maxsize=1)
@@ -143,5 +150,4 @@ def tensor_hash():
 
     namespace = {"torch": torch, "hashlib": hashlib, "gpu_tensor_hash": gpu_tensor_hash,
                  "flatten_nested_list": flatten_nested_list, "__name__": "sglang.srt.managers.mm_utils"}
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), f"<{HASHING} of the wheel>", "exec"), namespace)
-    return namespace["tensor_hash"]
+    return define(wanted, namespace, HASHING)["tensor_hash"]

@@ -14,7 +14,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from sglang_wheel import CACHE, Wheel, WheelUnavailable, methods_of  # tests/helpers
+from sglang_wheel import CACHE, Wheel, WheelUnavailable, define, methods_of  # tests/helpers
 
 VLLM_VERSION = "0.32.0"  # colorl/engines/vllm.py's; the stand-in's test checks they agree
 EXECUTOR = "vllm/v1/executor/uniproc_executor.py"
@@ -64,5 +64,4 @@ def distributed_args():
     namespace = {"aiter_requires_tcp_store": lambda: False, "get_ip": lambda: "127.0.0.1", "get_open_port": lambda: 0,
                  "get_distributed_init_method": lambda ip, port: f"tcp://{ip}:{port}",
                  "get_file_store_init_method": lambda: "file:///standin"}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), f"<{EXECUTOR} of the wheel>", "exec"), namespace)
-    return namespace["_distributed_args"]
+    return define([node], namespace, EXECUTOR)["_distributed_args"]
