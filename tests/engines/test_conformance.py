@@ -123,12 +123,17 @@ RESUMABLE = ["run.steps=3", "run.save_every=2", "run.optimizer_state=all"]  # st
 
 @pytest.fixture(params=COLUMNS, ids=[c.name for c in COLUMNS])
 def column(request, monkeypatch) -> Column:
-    reason = request.param.skip_reason()
+    return _ready(request.param, monkeypatch)
+
+
+def _ready(column: Column, monkeypatch) -> Column:
+    """The column, skipped where it cannot run, with what the test process needs installed."""
+    reason = column.skip_reason()
     if reason:
         pytest.skip(reason)
-    if request.param.install:
-        request.param.install(monkeypatch)
-    return request.param
+    if column.install:
+        column.install(monkeypatch)
+    return column
 
 
 # -- the interface -----------------------------------------------------------------------------------
@@ -285,15 +290,13 @@ def _template_cases() -> list:
 @pytest.mark.matrix
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("engine_column", "template", "mode"), _template_cases())
-def test_multi_turn_episodes_under_each_chat_template(engine_column, template, mode, tmp_path):
+def test_multi_turn_episodes_under_each_chat_template(engine_column, template, mode, tmp_path, monkeypatch):
     """Issue 33 item 3: templates that trim each message, put a BOS or a header before every turn, add a
     default system turn, or render the environment's tool messages their own way; every turn's prompt is
     the conversation so far, extended by the engine's tokens, in both modes."""
     from chat_templates import save_template_model  # tests/helpers
 
-    column = engine_column
-    if column.skip_reason():
-        pytest.skip(column.skip_reason())
+    column = _ready(engine_column, monkeypatch)
     keep = engine_class(column.engine).keeps_kv_across_updates
     model = save_template_model(tmp_path / "model", template)
     sets = ["run.steps=2", f"mode={mode}", "staleness.max=1", f"staleness.partial_rollout={'keep' if keep else 'recompute'}",

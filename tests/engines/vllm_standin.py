@@ -173,15 +173,22 @@ class Worker:
         """One token for each request, on this worker's device, from the stepping thread's current stream."""
         self._require_mapped("a forward pass")
         torch.cuda.current_stream()  # the model runner's stream: the thread's current device must be ours
-        batch = []
+        by_length: dict[int, list[_Request]] = {}  # one forward for the sequences of each length: no padding
         for req in requests:
-            ids = torch.tensor([req.prompt + req.computed], device=self.device)
+            by_length.setdefault(len(req.prompt) + len(req.computed), []).append(req)
+        sampled = {}
+        for same in by_length.values():
+            ids = torch.tensor([req.prompt + req.computed for req in same], device=self.device)
             with torch.no_grad():
-                logits = self.model(ids).logits[0, -1].float()
+                logits = self.model(ids).logits[:, -1].float()
             if torch.isnan(logits).any():
                 raise RuntimeError("forward over weights that hold no values (woken from sleep level 2 and not "
                                    "loaded since): the engine would serve garbage")
-            token, logprob = _sample(logits, req.params, req.generator)
+            for req, row in zip(same, logits):
+                sampled[id(req)] = _sample(row, req.params, req.generator)
+        batch = []
+        for req in requests:
+            token, logprob = sampled[id(req)]
             req.computed.append(token)
             batch.append((req, token, logprob))
         return batch
