@@ -34,23 +34,28 @@ class WheelUnavailable(RuntimeError):
     """The registry could not be reached and no cached copy exists."""
 
 
-def _cached() -> Path | None:
-    found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    return found[0] if found else None
+def obtain_wheel(package: str, version: str, *pip_args: str, timeout: int = 600) -> Path:
+    """A pinned wheel, downloaded once (`pip download --no-deps`) into CACHE and read from there after."""
+
+    def cached() -> Path | None:
+        found = sorted(CACHE.glob(f"{package}-{version}-*.whl"))
+        return found[0] if found else None
+
+    path = cached()
+    if path is None:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *pip_args,
+                               f"{package}=={version}", "-d", str(CACHE)], capture_output=True, text=True,
+                              timeout=timeout)
+        path = cached()
+        if path is None:
+            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise WheelUnavailable(f"{package}=={version} wheel not obtainable (registry unreachable?): {reason}")
+    return path
 
 
 def obtain() -> Path:
-    path = _cached()
-    if path is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                               f"sglang=={SGLANG_VERSION}", "-d", str(CACHE)], capture_output=True, text=True,
-                              timeout=600)
-        path = _cached()
-        if path is None:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise WheelUnavailable(f"sglang=={SGLANG_VERSION} wheel not obtainable (registry unreachable?): {reason}")
-    return path
+    return obtain_wheel("sglang", SGLANG_VERSION)
 
 
 def require() -> Path:

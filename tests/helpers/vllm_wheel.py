@@ -9,33 +9,17 @@ engine's device index exactly as vLLM's CUDA build does.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
-from sglang_wheel import CACHE, Wheel, WheelUnavailable, define, methods_of  # tests/helpers
+from sglang_wheel import Wheel, WheelUnavailable, define, methods_of, obtain_wheel  # tests/helpers
 
 VLLM_VERSION = "0.32.0"  # colorl/engines/vllm.py's; the stand-in's test checks they agree
 EXECUTOR = "vllm/v1/executor/uniproc_executor.py"
 
 
-def _cached() -> Path | None:
-    found = sorted(CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    return found[0] if found else None
-
-
 def obtain() -> Path:
-    path = _cached()
-    if path is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:",
-                               f"vllm=={VLLM_VERSION}", "-d", str(CACHE)], capture_output=True, text=True, timeout=900)
-        path = _cached()
-        if path is None:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise WheelUnavailable(f"vllm=={VLLM_VERSION} wheel not obtainable (registry unreachable?): {reason}")
-    return path
+    return obtain_wheel("vllm", VLLM_VERSION, "--only-binary=:all:", timeout=900)
 
 
 def missing() -> str | None:
