@@ -9,8 +9,8 @@ to the slower kernel for good. So a race here:
 - gives an item to the candidate only when it is faster by MARGIN: a near tie (0.00170 s against 0.00166 s)
   stays with the baseline instead of flipping with the noise;
 - runs two passes and gives the candidate only the items it won in both (a third pass when they differ);
-- watches what the rest of the machine did meanwhile (/proc/stat): a race run while other processes used
-  the CPUs decides nothing. Beside neighbours on every core (2-core Zen 3, torch's OpenMP team
+- watches what the rest of the machine did meanwhile (/proc/stat): a race during any pass of which other
+  processes used the CPUs decides nothing. Beside neighbours on every core (2-core Zen 3, torch's OpenMP team
   oversubscribed) the best of five rounds still took 20x its quiet time, a tie was won by 6x and a 2x win
   was lost: such timings cannot be trusted at any margin. The baseline keeps every item, and the verdict
   is kept as provisional and raced again by the first process that finds the machine quiet.
@@ -119,19 +119,15 @@ def _busy(result: RaceResult) -> bool:
 
 def stable_race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> dict:
     """The items the candidate wins in every pass (two, or three when the first two disagree), each pass's
-    seconds, and `busy` when other processes used the CPUs during the first pass: the candidate then wins
-    nothing, and the verdict is provisional (no more of a busy machine's time is spent on it)."""
+    seconds, and `busy` when other processes used the CPUs during any pass: the candidate then wins nothing,
+    the verdict is provisional, and no more of a busy machine's time is spent on it."""
     passes = [race(items, rounds)]
-    if _busy(passes[0]):
-        won: set[Hashable] = set()
-    else:
+    while not _busy(passes[-1]) and (len(passes) == 1 or (len(passes) == 2 and passes[0].won() != passes[1].won())):
         passes.append(race(items, rounds))
-        if passes[0].won() != passes[1].won():
-            passes.append(race(items, rounds))
-        won = set.intersection(*(p.won() for p in passes))
+    busy = any(_busy(p) for p in passes)
+    won: set[Hashable] = set() if busy else set.intersection(*(p.won() for p in passes))
     loads = [p.others_cores for p in passes if p.others_cores is not None]
-    return {"won": sorted(won, key=str), "busy": any(_busy(p) for p in passes),
-            "others_cores": round(max(loads), 2) if loads else None,
+    return {"won": sorted(won, key=str), "busy": busy, "others_cores": round(max(loads), 2) if loads else None,
             "seconds": {str(item): [[round(s, 7) for s in p.seconds[item]] for p in passes] for item in items}}
 
 

@@ -42,8 +42,8 @@ def neighbours():
 
 def test_a_quiet_race_gives_the_candidate_only_a_clear_win():
     verdict = verdicts.stable_race(products())
-    if verdict["busy"]:  # a shared CI machine may be busy now: then nothing is decided, as the next test shows
-        assert verdict["won"] == [] and all(len(passes) == 1 for passes in verdict["seconds"].values())
+    if verdict["busy"]:  # a shared CI machine may be busy now, in any pass: then nothing is decided (next test)
+        assert verdict["won"] == []
     else:
         assert verdict["won"] == ["clear"]
         assert all(len(passes) >= 2 for passes in verdict["seconds"].values())
@@ -56,6 +56,15 @@ def test_a_race_beside_busy_neighbours_keeps_the_baseline_and_says_it_was_busy(n
     assert verdict["busy"] and verdict["others_cores"] > verdicts.BUSY_CORES
     assert verdict["won"] == []
     assert all(len(passes) == 1 for passes in verdict["seconds"].values())  # no more of a busy machine's time
+
+
+def test_a_pass_that_found_the_machine_busy_spoils_the_race_even_after_a_quiet_one(monkeypatch):
+    """CI's make test: the first pass was quiet, the second ran beside a busy moment, and both 'won'."""
+    passes = iter([verdicts.RaceResult({"x": (0.001, 0.002)}, others_cores=0.0),
+                   verdicts.RaceResult({"x": (0.001, 0.002)}, others_cores=1.5)])
+    monkeypatch.setattr(verdicts, "race", lambda items, rounds: next(passes))
+    verdict = verdicts.stable_race({"x": (None, None)})
+    assert verdict["busy"] and verdict["won"] == [] and len(verdict["seconds"]["x"]) == 2
 
 
 def test_machine_busy_sees_neighbours(neighbours):
