@@ -84,15 +84,16 @@ def oldest_version(*versions: int | None) -> int | None:
     return min((v for v in versions if v is not None), default=None)
 
 
-def admitted_state_version(request: GenerationRequest, admitted: int, sampled: bool) -> int | None:
-    """`GenerationResult.state_version` for an engine that cannot see which version computed a
-    request's prompt KV (SGLang's scheduler, another process): a request admitted at version
-    `admitted` may have had any part of its prompt prefilled at any version from there on, so the
-    admission version, the oldest possible, stands for it once the model sampled a token in this
-    life (none sampled: no token read that KV, and a resume computes it again). Never newer than the
-    truth, older by at most the updates between admission and the first token. The prefix cache must
-    hold no KV older than the admission (reset at every update, or off while requests run across one)."""
-    return oldest_version(request.state_version, admitted) if sampled else request.state_version
+def carried_state_version(request: GenerationRequest, kv_version: int | None, sampled: bool) -> int | None:
+    """`GenerationResult.state_version` of a request whose prompt KV in this life may date from
+    `kv_version` (None: no older than its tokens). An engine that cannot see which version computed
+    the KV (SGLang's scheduler, another process) passes the admission version, the oldest possible:
+    never newer than the truth, older by at most the updates between admission and the first token;
+    vLLM passes the version ending at the first update the request had KV computed before. It counts
+    once the model sampled a token in this life (none sampled: no token read that KV, and a resume
+    computes it again). The prefix cache must hold no KV older than the admission (reset at every
+    update, or off while requests run across one)."""
+    return oldest_version(request.state_version, kv_version) if sampled else request.state_version
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ is flushed after every update. So no request reads KV computed before it was add
 weight-version spans cover output tokens only (its scheduler records a version change only for
 requests that have some), and a prompt prefilled in chunks across an update is not told apart
 from one prefilled after it: a request's state version is the version in force when it was added
-(`admitted_state_version`: the oldest its prompt's KV can have, never newer than the truth). `stats()` counts KV
+(`carried_state_version` with the admission version: the oldest its prompt's KV can have, never newer than the truth). `stats()` counts KV
 blocks from the lengths of the requests in flight (`engine.block_size` tokens a block) against
 SGLang's pool size; SGLang's own allocator is not queried per step.
 """
@@ -60,7 +60,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, admitted_state_version
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, carried_state_version
 
 SGLANG_VERSION = "0.5.23"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -258,7 +258,7 @@ class SGLangEngine(Engine):
         return GenerationResult(rid, list(req.prompt_ids), list(req.output_ids) + ids,
                                 list(req.output_logprobs) + logprobs,
                                 list(req.output_versions) + _versions(meta, len(ids), live.oldest_version), reason,
-                                state_version=admitted_state_version(req, live.oldest_version, bool(ids)))
+                                state_version=carried_state_version(req, live.oldest_version, bool(ids)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self.interrupt(request_ids)

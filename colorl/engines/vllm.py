@@ -86,7 +86,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, oldest_version
+from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, carried_state_version
 from colorl.threads import pinned
 
 VLLM_VERSION = "0.32.0"
@@ -119,11 +119,10 @@ class _Live:
 
     def result(self, reason: str) -> GenerationResult:
         req = self.request
-        # no token sampled in this life: none read its KV (vLLM drops it, a resume computes it again)
-        state = oldest_version(req.state_version, self.kv_version) if self.ids else req.state_version
         return GenerationResult(req.request_id, list(req.prompt_ids), list(req.output_ids) + self.ids,
                                 list(req.output_logprobs) + self.logprobs,
-                                list(req.output_versions) + self.versions, reason, state_version=state)
+                                list(req.output_versions) + self.versions, reason,
+                                state_version=carried_state_version(req, self.kv_version, bool(self.ids)))
 
 
 class VLLMEngine(Engine):

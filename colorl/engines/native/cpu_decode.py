@@ -23,6 +23,7 @@ import ctypes
 import functools
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -152,17 +153,18 @@ class CpuDecode:
 
         return VerdictWatch(self.rows_verdict_name(dtype, threads), self._rows_verdict(dtype, threads))
 
-    def observe_decode(self, dtype: torch.dtype, rows: int, seconds: float, weight_bytes: int, kv_bytes: int) -> None:
+    def observe_decode(self, dtype: torch.dtype, rows: int, seconds: float, weight_bytes: int,
+                       kv_bytes: Callable[[], int]) -> None:
         """A decode step's `seconds` over its layers, at `rows` sequences, checked against the rows verdict it ran
         by (colorl.verdicts.VerdictWatch). Comparable: the race times products that stream RACE_BYTES of weights
         no cache holds, and such a step streams its layers' weights and each sequence's K/V once, the rest of
         its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
         second it streamed. Steps over fewer weight bytes than the race's (a model a cache holds, whose calls
-        weigh more) and forced verdicts are not checked."""
+        weigh more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is."""
         if weight_bytes < RACE_BYTES or dtype not in DTYPES or forced_rows() is not None:
             return
         watch = self._rows_watch(dtype, torch.get_num_threads())
-        watch.observe(rows, seconds * RACE_BYTES / (weight_bytes + kv_bytes))
+        watch.observe(rows, seconds * RACE_BYTES / (weight_bytes + kv_bytes()))
 
     @_timed("products")
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

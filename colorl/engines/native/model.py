@@ -410,8 +410,9 @@ class CausalLM(nn.Module):
             return
         s = self.spec
         weight_bytes = s.num_layers * s.layer_matrix_elements * dtype.itemsize
-        kv_bytes = int(group.lengths.sum()) * 2 * s.kv_size * dtype.itemsize * s.num_layers
-        compiled.observe_decode(dtype, group.batch, seconds, weight_bytes, kv_bytes)
+        lengths = group.lengths
+        compiled.observe_decode(dtype, group.batch, seconds, weight_bytes,
+                                lambda: int(lengths.sum()) * 2 * s.kv_size * dtype.itemsize * s.num_layers)
 
     def _head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
