@@ -57,6 +57,31 @@ def test_bf16_rows_kernel_equals_the_float32_product_rounded_once(compiled, rows
         torch.testing.assert_close(out, F.linear(x, weight, b), atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 13, 32, 37])
+def test_panels_equal_f_linear_at_any_row_count(compiled, rows, dtype):
+    """The panels' product for a decode step of many sequences, outputs not a whole number of panels
+    (200 = 8 x 24 + 8) and an odd width: float32 to rounding; bf16 one rounding of float32 sums."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = (t.to(dtype) for t in (torch.randn(rows, 83, generator=gen), torch.randn(200, 83, generator=gen),
+                                             torch.randn(200, generator=gen)))
+    panels = compiled.pack_panels(weight)
+    assert panels.numel() == 9 * cpu_decode.PANEL * 83
+    for b in (bias, None):
+        out = compiled.panel_linear(x, panels, 200, b)
+        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
+        else:
+            assert out.dtype == torch.bfloat16
+            assert ((out.float() - exact).abs() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6).all()
+
+
+def test_panels_of_another_matrix_are_refused(compiled):
+    with pytest.raises(ValueError, match="panels"):
+        compiled.panel_linear(torch.randn(12, 8), compiled.pack_panels(torch.randn(30, 8)), 60, None)
+
+
 def test_rows_kernel_refuses_more_rows_than_it_has(compiled):
     with pytest.raises(ValueError, match="rows"):
         compiled.linear(torch.randn(cpu_decode.MAX_ROWS + 1, 8), torch.randn(4, 8), None)
@@ -335,7 +360,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         verdicts.record_in_run(None)
 
 
-@pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_ROWS + 1))), ("none", set()),
+@pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_PANEL_ROWS + 1))), ("none", set()),
                                          ("1,3", {1, 3})])
 def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):
     """The CI lanes force each extreme, so both kernels run at every row count whatever this CPU's race says."""
@@ -346,7 +371,7 @@ def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value,
 
 
 def test_a_bad_forced_rows_verdict_is_one_clear_error(monkeypatch):
-    monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", "9")
+    monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", str(cpu_decode.MAX_PANEL_ROWS + 1))
     with pytest.raises(ValueError, match="COLORL_CPU_DECODE_ROWS"):
         cpu_decode.forced_rows()
 
@@ -354,8 +379,42 @@ def test_a_bad_forced_rows_verdict_is_one_clear_error(monkeypatch):
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 def test_race_measures_every_row_count(compiled, dtype):
     verdict = cpu_decode.race_rows(compiled, dtype)
-    assert set(verdict["seconds"]) == {str(rows) for rows in range(1, cpu_decode.MAX_ROWS + 1)}
-    assert set(verdict["won"]) <= set(range(1, cpu_decode.MAX_ROWS + 1))
+    raced = {*range(1, cpu_decode.MAX_ROWS + 1), *cpu_decode.PANEL_RACE_ROWS}
+    assert set(verdict["seconds"]) == {str(rows) for rows in raced}
+    assert set(verdict["won"]) <= raced
+
+
+def test_panel_row_counts_between_the_raced_ones_follow_both_neighbours():
+    assert cpu_decode.PANEL_RACE_ROWS == (12, 16, 24, 32)
+    assert cpu_decode.between_raced(frozenset({1, 2, 12, 16, 24, 32})) == {1, 2, *range(9, 33)}
+    assert cpu_decode.between_raced(frozenset({12, 24, 32})) == {*range(9, 13), *range(24, 33)}  # 16 lost
+    assert cpu_decode.between_raced(frozenset({1, 2, 3})) == {1, 2, 3}  # 9 and up follow 12, not 8's kernel
+
+
+def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch):
+    """Steps of 9..12 one-token decodes run each layer in one call over the matrices' panels, bit-identical
+    to the per-operation path over the same panels; the panels are made again after a weight load."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 13)))
+    calls = []
+    whole_layer = cpu_decode.CpuDecode.decode_layer
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer",
+                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layer(self, x, *rest))
+    prompts = [list(range(10, 10 + n)) for n in range(3, 15)]  # 12 sequences
+    outputs = []
+    for per_operation in (False, True):
+        compiled.seconds = {} if per_operation else None
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=128, block_size=4, max_prefill_tokens=256))
+        params = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, ignore_eos=True, seed=i) for i in range(12)]
+        outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
+        compiled.seconds = None
+        if not per_operation:
+            assert {9, 10, 11, 12} <= set(calls)
+            assert eng.model.linears.panels._panels  # made on first use
+            eng.model.load_hf_weights(eng.model.hf_weights().items())
+            assert not eng.model.linears.panels._panels  # a new weight version drops them
+    for whole, reference in zip(*outputs):
+        assert whole.output_ids == reference.output_ids
+        assert whole.logprobs == reference.logprobs
 
 
 @pytest.mark.parametrize("env, said", [({"COLORL_CPU_DECODE": "0"}, ""),

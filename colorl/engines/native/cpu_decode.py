@@ -27,7 +27,10 @@ from typing import Callable
 
 import torch
 
-MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, oneDNN's ground
+MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, the panels' ground
+MAX_PANEL_ROWS = 32  # the most rows a decode step's products may take through the panels (a rollout batch)
+PANEL_RACE_ROWS = (12, 16, 24, 32)  # the panel row counts raced; the counts between follow their neighbours
+PANEL = 24  # outputs per panel (cpu_decode_loops.h)
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
 RACE_ROUNDS = 3
@@ -39,13 +42,28 @@ class DecodeLayer(ctypes.Structure):
     """One decoder layer's tensors for `decode_layer` (cpu_decode.c's decode_layer_t): data pointers,
     None for an absent bias."""
     _fields_ = [(name, _p) for name in ("input_norm", "w_qkv", "b_qkv", "w_o", "b_o", "post_norm", "w_gate_up",
-                                        "b_gate_up", "w_down", "b_down", "cache")]
+                                        "b_gate_up", "w_down", "b_down", "cache", "p_qkv", "p_o", "p_gate_up",
+                                        "p_down")]
 
 
-def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, **tensors: torch.Tensor | None) -> DecodeLayer:
-    """A layer's DecodeLayer, every tensor checked (`check_tensors`); the cache: [slots, 2, Hkv, D]."""
+def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, torch.Tensor] | None = None,
+                  **tensors: torch.Tensor | None) -> DecodeLayer:
+    """A layer's DecodeLayer, every tensor checked (`check_tensors`); the cache: [slots, 2, Hkv, D]; panels:
+    each matrix's (`CpuDecode.pack_panels`, keyed w_qkv, w_o, w_gate_up, w_down) for steps of more than
+    MAX_ROWS sequences, None for fewer."""
     check_tensors(dtype, cache=cache, **tensors)
-    return DecodeLayer(**{name: _ptr(tensor) for name, tensor in tensors.items()}, cache=cache.data_ptr())
+    panels = panels or {}
+    for name, packed in panels.items():
+        check_tensors(dtype, **{name: packed})
+        if packed.numel() != panel_elements(tensors[name]):
+            raise ValueError(f"compiled decode_layer: {name}'s panels do not match its matrix")
+    return DecodeLayer(**{name: _ptr(tensor) for name, tensor in tensors.items()}, cache=cache.data_ptr(),
+                       **{"p" + name[1:]: _ptr(packed) for name, packed in panels.items()})
+
+
+def panel_elements(weight: torch.Tensor) -> int:
+    """The size of a [N, K] matrix's panels: N rounded up to whole panels, times K."""
+    return -(-weight.shape[0] // PANEL) * PANEL * weight.shape[1]
 
 
 class DecodeStep(ctypes.Structure):
@@ -57,6 +75,8 @@ class DecodeStep(ctypes.Structure):
 
 _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
+    "colorl_pack_panels": ([_p, _p, _i64, _i64, _int], None),
+    "colorl_panels": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
     "colorl_add_rms_norm": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
     "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
     "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64], _int),
@@ -81,7 +101,7 @@ def check_tensors(dtype: torch.dtype, **tensors: torch.Tensor | None) -> None:
                              f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ', strided'}")
 
 
-ERRORS = {-1: (ValueError, f"the rows kernel takes 1..{MAX_ROWS} rows"), -2: (MemoryError, "out of memory in the decode loops"),
+ERRORS = {-1: (ValueError, f"the rows kernel takes 1..{MAX_ROWS} rows, the panels any number with their panels"), -2: (MemoryError, "out of memory in the decode loops"),
           -3: (IndexError, "a block id, KV slot, position or context length outside the cache or the tables")}
 
 
@@ -123,10 +143,11 @@ class CpuDecode:
                 function.argtypes, function.restype = args, result
 
     def rows_won(self, dtype: torch.dtype) -> frozenset[int]:
-        """Row counts at which `linear` beats the engine's other products (oneDNN over packed weights,
-        where chosen) in `dtype` on this machine at the current thread count (bounded-lag changes it
-        between loops): forced by COLORL_CPU_DECODE_ROWS, else raced once per build, dtype and thread
-        count (colorl/verdicts.py) and kept in kernels.json."""
+        """Row counts at which the loops' products (`linear` up to MAX_ROWS rows, `panel_linear` above)
+        beat the engine's other products (oneDNN over packed weights, where chosen) in `dtype` on this
+        machine at the current thread count (bounded-lag changes it between loops): forced by
+        COLORL_CPU_DECODE_ROWS, else raced once per build, dtype and thread count (colorl/verdicts.py)
+        and kept in kernels.json."""
         if dtype not in DTYPES:
             return frozenset()
         forced = forced_rows()
@@ -145,7 +166,7 @@ class CpuDecode:
 
     @functools.cache
     def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
-        return frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["won"])
+        return between_raced(frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["won"]))
 
     @functools.cache
     def _rows_watch(self, dtype: torch.dtype, threads: int):
@@ -177,6 +198,29 @@ class CpuDecode:
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
         _raise_for(self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows,
                                                              weight.shape[0], n_in, torch.get_num_threads()))
+        return out
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [N, K] in the panels `panel_linear` reads (cpu_decode_loops.h): a copy, made once per
+        weight version."""
+        check_tensors(weight.dtype, weight=weight)
+        panels = torch.empty(panel_elements(weight), dtype=weight.dtype)
+        self._functions["colorl_pack_panels", weight.dtype](_ptr(weight), _ptr(panels), weight.shape[0],
+                                                             weight.shape[1], torch.get_num_threads())
+        return panels
+
+    @_timed("products")
+    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, n_out: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [B, in] @ the [n_out, in] weight `panels` were packed from (+ bias): [B, n_out], for any B;
+        the arithmetic-bound products of a decode step over more than MAX_ROWS sequences."""
+        rows, n_in = x.shape
+        check_tensors(x.dtype, x=x, panels=panels, bias=bias)
+        if panels.numel() != -(-n_out // PANEL) * PANEL * n_in or (bias is not None and bias.shape != (n_out,)):
+            raise ValueError(f"compiled panel_linear: x {tuple(x.shape)}, the panels and the bias do not agree")
+        out = torch.empty(rows, n_out, dtype=x.dtype)
+        _raise_for(self._functions["colorl_panels", x.dtype](_ptr(x), _ptr(panels), _ptr(bias), _ptr(out), rows,
+                                                             n_out, n_in, torch.get_num_threads()))
         return out
 
     @_timed("elementwise")
@@ -234,7 +278,8 @@ class CpuDecode:
 
     def decode_layer(self, x: torch.Tensor, delta: torch.Tensor | None, layer: DecodeLayer, step: DecodeStep,
                      scratch: torch.Tensor) -> torch.Tensor:
-        """A whole decoder layer for a decode step of step.tokens <= MAX_ROWS sequences (cpu_decode_loops.h):
+        """A whole decoder layer for a decode step of step.tokens sequences (cpu_decode_loops.h; above
+        MAX_ROWS `layer` must carry the matrices' panels):
         x [T, C] += delta and the attention output, in place; returns the layer's MLP output [T, C].
         `layer` comes from `layer_tensors`, which checks what it points to; the caller checks `step`'s.
         Not timed by kind: a bench's split runs the per-operation path instead (model.py)."""
@@ -255,22 +300,35 @@ def forced_rows() -> frozenset[int] | None:
     if not value:
         return None
     if value == "all":
-        return frozenset(range(1, MAX_ROWS + 1))
+        return frozenset(range(1, MAX_PANEL_ROWS + 1))
     if value == "none":
         return frozenset()
     try:
         rows = frozenset(int(part) for part in value.split(","))
     except ValueError:
         rows = frozenset({0})
-    if not rows <= set(range(1, MAX_ROWS + 1)):
-        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_ROWS}")
+    if not rows <= set(range(1, MAX_PANEL_ROWS + 1)):
+        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_PANEL_ROWS}")
     return rows
 
 
+def between_raced(won: frozenset[int]) -> frozenset[int]:
+    """The raced row counts the loops won, plus each panel row count that was not raced when the raced
+    counts on both sides of it (or the one side there is) were won: a product's cost is smooth in its rows."""
+    rows = set(won)
+    for count in range(MAX_ROWS + 1, MAX_PANEL_ROWS + 1):
+        below = [r for r in PANEL_RACE_ROWS if r <= count]
+        above = [r for r in PANEL_RACE_ROWS if r >= count]
+        sides = ([max(below)] if below else []) + ([min(above)] if above else [])
+        if sides and all(side in won for side in sides):
+            rows.add(count)
+    return frozenset(rows)
+
+
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
-    """For 1..MAX_ROWS rows, the loops against the engine's other product over weights that do not fit in
-    cache, as a decode step streams them (colorl.verdicts.stable_race: the loops win a row count only
-    clearly, in every pass)."""
+    """For 1..MAX_ROWS rows (the rows kernel) and PANEL_RACE_ROWS (the panels), the loops against the
+    engine's other product over weights that do not fit in cache, as a decode step streams them
+    (colorl.verdicts.stable_race: the loops win a row count only clearly, in every pass)."""
     from colorl.kernels import PackedLinears
     from colorl.verdicts import stable_race
 
@@ -279,12 +337,31 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(matrices)]
     packed = PackedLinears()
     packed.repack(weights)
+    panels = [compiled.pack_panels(w) for w in weights]
     items = {}
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
-        items[rows] = (lambda x=x: [compiled.linear(x, w, None) for w in weights],
-                       lambda x=x: [packed.linear(x, w, None) for w in weights])
+        ours = ((lambda x=x: [compiled.linear(x, w, None) for w in weights]) if rows <= MAX_ROWS else
+                (lambda x=x: [compiled.panel_linear(x, p, 3072, None) for p in panels]))
+        items[rows] = (ours, lambda x=x: [packed.linear(x, w, None) for w in weights])
     return stable_race(items, RACE_ROUNDS)
+
+
+class PanelCopies:
+    """The engine's panel copies of its weight matrices (`CpuDecode.pack_panels`), made on a step's first
+    use after each weight version, freed with the packed copies."""
+
+    def __init__(self) -> None:
+        self._panels: dict[int, tuple[int, torch.Tensor]] = {}  # id(weight) -> (data_ptr, panels)
+
+    def of(self, weight: torch.Tensor, compiled: CpuDecode) -> torch.Tensor:
+        entry = self._panels.get(id(weight))
+        if entry is None or entry[0] != weight.data_ptr():
+            entry = self._panels[id(weight)] = (weight.data_ptr(), compiled.pack_panels(weight.detach()))
+        return entry[1]
+
+    def clear(self) -> None:
+        self._panels.clear()
 
 
 @functools.cache

@@ -64,6 +64,107 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
     }
 }
 
+/* ---------------------------------------------------------------- products over more rows
+ * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) for any B: a decode step of more sequences than the rows
+ * kernel takes (MAX_ROWS in cpu_decode.py), where a product is bound by arithmetic, not by the
+ * stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28 GFLOP/s of 76
+ * on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue 31), in the
+ * classic way: the weights packed once per version in panels of PANEL outputs, k-major ([N/PANEL,
+ * K, PANEL], zero-padded), x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
+ * a TILE x PANEL block of sums held in twelve vector registers while k runs: per k, three weight
+ * vectors and four broadcasts feed twelve FMAs, with no horizontal sums. Each thread streams its
+ * own run of panels once (the first tile asks for it PANEL_AHEAD values ahead, as the rows kernel
+ * does); the later tiles of a panel read it again from L2. */
+#define PANEL 24
+#define TILE 4
+#define PANEL_AHEAD 2048
+
+void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
+    int64_t count = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && count > 1)
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                int64_t n = p * PANEL + j;
+                ELEM zero;
+                memset(&zero, 0, sizeof zero);
+                panels[(p * K + k) * PANEL + j] = n < N ? w[n * K + k] : zero;
+            }
+}
+
+static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wp, int64_t K,
+                                                                   int fetch, v8 c[TILE][3]) {
+    v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+    v8 c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+    for (int64_t k = 0; k < K; k++) {
+        const ELEM *wk = wp + k * PANEL;
+        if (fetch) {
+            __builtin_prefetch(wk + PANEL_AHEAD, 0, 2);
+            __builtin_prefetch((const char *)(wk + PANEL_AHEAD) + 64, 0, 2);
+        }
+        v8 w0 = LOAD8(wk), w1 = LOAD8(wk + 8), w2 = LOAD8(wk + 16);
+        const float *xk = xt + k * TILE;
+        v8 a = (v8){0} + xk[0];
+        c00 += a * w0; c01 += a * w1; c02 += a * w2;
+        a = (v8){0} + xk[1];
+        c10 += a * w0; c11 += a * w1; c12 += a * w2;
+        a = (v8){0} + xk[2];
+        c20 += a * w0; c21 += a * w1; c22 += a * w2;
+        a = (v8){0} + xk[3];
+        c30 += a * w0; c31 += a * w1; c32 += a * w2;
+    }
+    c[0][0] = c00; c[0][1] = c01; c[0][2] = c02;
+    c[1][0] = c10; c[1][1] = c11; c[1][2] = c12;
+    c[2][0] = c20; c[2][1] = c21; c[2][2] = c22;
+    c[3][0] = c30; c[3][1] = c31; c[3][2] = c32;
+}
+
+/* y [B, N] = x [B, K] . w [N, K]^T (+ bias), w given as its panels (colorl_pack_panels). */
+int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                         int64_t K, int threads) {
+    if (B < 1) return COLORL_BAD_ROWS;
+    int64_t tiles = (B + TILE - 1) / TILE, count = (N + PANEL - 1) / PANEL;
+    float *xp = malloc(sizeof(float) * tiles * TILE * K);
+    if (!xp) return COLORL_NO_MEMORY;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < TILE; i++) {
+                int64_t b = t * TILE + i;
+                xp[(t * K + k) * TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+            }
+    int team = threads > 1 && count >= 2 * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        int64_t nt = omp_get_num_threads(), share = (count + nt - 1) / nt;
+        int64_t p0 = omp_get_thread_num() * share, p1 = p0 + share < count ? p0 + share : count;
+        for (int64_t p = p0; p < p1; p++) {
+            const ELEM *wp = panels + p * K * PANEL;
+            int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+            float bv[PANEL];
+            for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
+            for (int64_t t = 0; t < tiles; t++) {
+                v8 c[TILE][3];
+                if (t == 0)
+                    NAMED(panel_tile)(xp + t * K * TILE, wp, K, 1, c);
+                else
+                    NAMED(panel_tile)(xp + t * K * TILE, wp, K, 0, c);
+                for (int64_t i = 0; i < TILE && t * TILE + i < B; i++) {
+                    ELEM *row = y + (t * TILE + i) * N + n0;
+                    if (width == PANEL) {
+                        for (int v = 0; v < 3; v++) STORE8(row + 8 * v, c[i][v] + load8(bv + 8 * v));
+                    } else {
+                        float sums[PANEL];
+                        for (int v = 0; v < 3; v++) store8(sums + 8 * v, c[i][v] + load8(bv + 8 * v));
+                        for (int64_t j = 0; j < width; j++) STORE1(row + j, sums[j]);
+                    }
+                }
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- RoPE and the KV write
  * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
@@ -152,13 +253,21 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
 }
 
 /* ---------------------------------------------------------------- a whole decoder layer
- * One layer of a decode step over T <= 8 sequences, one new token each, in one call: the same
+ * One layer of a decode step over T sequences, one new token each, in one call: the same
  * loops, in the same order, as the model's per-operation path (model.py), without the Python and
  * the ctypes calls between them (nine per layer, 1.5-3.6 us each: a few % of a step).
  * x: the residual stream [T, C], updated in place; delta: the previous layer's MLP output (NULL
  * for the first layer); out: this layer's MLP output [T, C]; scratch: T * (2 C + (H + 2 Hkv) D +
- * H D + 3 I) values. Returns 0, or the first error of its loops (COLORL_*: rows, memory, an index out of
+ * H D + 3 I) values. Its products run the rows kernel up to 8 rows and over the layer's panels
+ * (colorl_pack_panels; NULL where not packed) above. Returns 0, or the first error of its loops (COLORL_*: rows, memory, an index out of
  * range), which it never computes past. */
+static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t T,
+                          int64_t N, int64_t K, int threads) {
+    if (T <= 8) return NAMED(colorl_linear)(x, w, bias, y, T, N, K, threads);
+    if (!panels) return COLORL_BAD_ROWS;
+    return NAMED(colorl_panels)(x, panels, bias, y, T, N, K, threads);
+}
+
 int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
@@ -167,18 +276,19 @@ int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scra
          *o = act + T * I;
     int code;
     NAMED(colorl_add_rms_norm)(x, delta, l->input_norm, h, T, C, s->eps);
-    if ((code = NAMED(colorl_linear)(h, l->w_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
+    if ((code = NAMED(product)(h, l->w_qkv, l->p_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
     if ((code = NAMED(colorl_rope_write_kv)(qkv, T, H, Hkv, D, s->cos, s->sin, s->positions, s->slots, l->cache,
                                             s->num_slots, s->num_positions)))
         return code;
     if ((code = NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
                                            s->block_size, s->scale, s->threads, s->num_slots)))
         return code;
-    if ((code = NAMED(colorl_linear)(attn, l->w_o, l->b_o, o, T, C, H * D, s->threads))) return code;
+    if ((code = NAMED(product)(attn, l->w_o, l->p_o, l->b_o, o, T, C, H * D, s->threads))) return code;
     NAMED(colorl_add_rms_norm)(x, o, l->post_norm, h, T, C, s->eps);
-    if ((code = NAMED(colorl_linear)(h, l->w_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads))) return code;
+    if ((code = NAMED(product)(h, l->w_gate_up, l->p_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads)))
+        return code;
     NAMED(colorl_silu_mul)(gate_up, act, T, I);
-    return NAMED(colorl_linear)(act, l->w_down, l->b_down, out, T, C, I, s->threads);
+    return NAMED(product)(act, l->w_down, l->p_down, l->b_down, out, T, C, I, s->threads);
 }
 
 #undef NAMED

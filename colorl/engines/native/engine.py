@@ -221,7 +221,7 @@ class NativeEngine(Engine):
         after a sync, or the first step after `wake`) packs them again."""
         self.scheduler.drop_all_kv()
         self.runner.free_kv()
-        self.model.linears.packed.clear()
+        self.model.linears.clear()
         if level >= 2 and self.device.type != "cpu":
             _move_parameters(self.model, torch.device("cpu"))
         self._sleep_level = max(self._sleep_level, level)

@@ -22,13 +22,16 @@ def _source(forced_by: str | None, verdict: dict | None) -> str:
 
 
 def _rows_text(rows: frozenset[int]) -> str:
-    from colorl.engines.native.cpu_decode import MAX_ROWS
-
+    """Row counts as runs: "1-8,12-32"."""
     if not rows:
         return "none"
-    if rows == frozenset(range(1, MAX_ROWS + 1)):
-        return f"all 1-{MAX_ROWS}"
-    return ",".join(str(r) for r in sorted(rows))
+    runs: list[list[int]] = []
+    for count in sorted(rows):
+        if runs and count == runs[-1][1] + 1:
+            runs[-1][1] = count
+        else:
+            runs.append([count, count])
+    return ",".join(f"{a}-{b}" if b > a + 1 else (f"{a},{b}" if b > a else str(a)) for a, b in runs)
 
 
 def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:

@@ -226,19 +226,29 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
 
 
 class Products:
-    """Where the engine's matrix products run: the compiled rows kernel for a decode step's few rows
-    (at the row counts where it beat the alternative in this machine's race, per dtype), oneDNN
-    over packed weights otherwise (`PackedLinears`, refreshed on every weight version)."""
+    """Where the engine's matrix products run: the compiled loops for a decode step's rows (the rows
+    kernel up to MAX_ROWS, the panels above: at the row counts where they beat the alternative in this
+    machine's race, per dtype), oneDNN over packed weights otherwise (`PackedLinears`). Both copies are
+    dropped with every weight version and made again on first use."""
 
     def __init__(self) -> None:
         self.packed = PackedLinears()
+        self.panels = cpu_decode.PanelCopies()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                compiled: CpuDecode | None = None) -> torch.Tensor:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
-        if compiled is not None and x.shape[0] in compiled.rows_won(x.dtype) and x.is_contiguous():
-            return compiled.linear(x, weight, bias)
+        rows = x.shape[0]
+        if compiled is not None and rows in compiled.rows_won(x.dtype) and x.is_contiguous():
+            if rows <= cpu_decode.MAX_ROWS:
+                return compiled.linear(x, weight, bias)
+            return compiled.panel_linear(x, self.panels.of(weight, compiled), weight.shape[0], bias)
         return self.packed.linear(x, weight, bias)
+
+    def clear(self) -> None:
+        """Forget every packed and panel copy (the weights changed, or the engine sleeps)."""
+        self.packed.clear()
+        self.panels.clear()
 
 
 class Attention(nn.Module):
@@ -320,11 +330,17 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, cache, step, compiled), compiled)
         return x, self.mlp(h, compiled)
 
-    def compiled_tensors(self, cache: torch.Tensor) -> cpu_decode.DecodeLayer:
-        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layer`)."""
+    def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, tokens: int) -> cpu_decode.DecodeLayer:
+        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layer`) of `tokens`
+        sequences: with its matrices' panels above the rows kernel's MAX_ROWS."""
         attn, mlp = self.self_attn, self.mlp
+        panels = None
+        if tokens > cpu_decode.MAX_ROWS:
+            copies = self.mlp.linears.panels
+            panels = {name: copies.of(weight, compiled) for name, weight in
+                      (("w_qkv", attn.w_qkv), ("w_o", attn.w_o), ("w_gate_up", mlp.w_gate_up), ("w_down", mlp.w_down))}
         return cpu_decode.layer_tensors(
-            cache.dtype, cache, input_norm=self.input_layernorm.weight, w_qkv=attn.w_qkv, b_qkv=attn.b_qkv,
+            cache.dtype, cache, panels, input_norm=self.input_layernorm.weight, w_qkv=attn.w_qkv, b_qkv=attn.b_qkv,
             w_o=attn.w_o, b_o=attn.b_o, post_norm=self.post_attention_layernorm.weight, w_gate_up=mlp.w_gate_up,
             b_gate_up=mlp.b_gate_up, w_down=mlp.w_down, b_down=mlp.b_down)
 
@@ -364,7 +380,8 @@ class CausalLM(nn.Module):
         if fused is not None:  # one compiled call per layer
             inputs, scratch = fused
             for layer, cache in zip(self.layers, kv_cache):
-                delta = compiled.decode_layer(x, delta, layer.compiled_tensors(cache), inputs, scratch)
+                delta = compiled.decode_layer(x, delta, layer.compiled_tensors(cache, compiled, x.shape[0]), inputs,
+                                              scratch)
         else:
             for layer, cache in zip(self.layers, kv_cache):
                 x, delta = layer(x, delta, cos, sin, cache, step, compiled)
@@ -378,7 +395,7 @@ class CausalLM(nn.Module):
     def _whole_layers(self, step: StepInputs, compiled: CpuDecode | None, x: torch.Tensor,
                       slots: int) -> tuple[cpu_decode.DecodeStep, torch.Tensor] | None:  # slots: the KV cache's per layer
         """The step's inputs and scratch for the compiled whole-layer decode, when it serves this step:
-        only one-token decodes, as many as the rows kernel takes at its won row counts, a plain
+        only one-token decodes, as many as the loops take at their won row counts, a plain
         SiLU-gated Llama/Qwen2 layer (Qwen3's q/k norms run through the per-operation path), and no
         bench collecting the per-kind split (which the per-operation path times)."""
         s = self.spec
@@ -421,6 +438,7 @@ class CausalLM(nn.Module):
         """Refresh the packed matmul weights: call after writing into `hf_weights()` in place.
         Only the matrices products use: an untied embedding is only looked up, never packed."""
         products = [p for layer in self.layers for p in layer.parameters() if p.dim() == 2]
+        self.linears.panels.clear()
         self.linears.packed.repack(products + [self._head()])
 
     # ------------------------------------------------------------ HF names
@@ -476,7 +494,7 @@ class CausalLM(nn.Module):
         missing = targets.keys() - seen
         if strict and missing:
             raise KeyError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
-        self.linears.packed.clear()  # packed again by `repack` (the engine's version setter) or on first use
+        self.linears.clear()  # packed again by `repack` (the engine's version setter) or on first use
 
 
 def _ignorable(name: str, spec: ModelSpec) -> bool:
