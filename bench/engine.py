@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from limits import matmul_rate, read_bandwidth  # bench/
 from machine import cpu_model  # bench/
 
 ROOT = Path(__file__).resolve().parent
@@ -219,20 +220,14 @@ def time_split(engine, requests) -> dict:
     return {"wall_s": wall, **{f"{k}_s": v for k, v in kinds.items()}, "python_s": max(wall - ops, 0.0)}
 
 
-def measure_bandwidth(threads: int) -> float:
-    """Read bandwidth (bytes/s) of a sum over a 512 MiB tensor; best of 5."""
-    data = torch.randn(128 * 2**20)  # 512 MiB, pages touched
-    data.sum()
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * data.element_size() / best
+FLOOR_BARS = {1: ("floor", 1.2), 8: ("floor", 1.5), 32: ("rate", 0.5)}  # issue 31: what each batch is held to
 
 
 def worker_floor(args) -> dict:
-    """Native decode-step time at batch 1, 8, 32 against (weights + KV bytes) / bandwidth."""
+    """Native decode steps at batch 1, 8, 32 against the machine's own limits, measured in the same process:
+    memory ((weights + KV bytes) / read bandwidth: a step that reads each once can be no faster) and
+    arithmetic (the step's FLOPs / the dtype's large-matmul rate: the share of the machine's compute the
+    step uses, which is what bounds a batch of 32)."""
     from colorl.engines.base import GenerationRequest, SamplingParams
     from colorl.engines.native.model_runner import kv_bytes_per_block
     from colorl.models import encode_chat, load_tokenizer, resolve_model_path
@@ -242,9 +237,10 @@ def worker_floor(args) -> dict:
     engine = make_engine("native", model_dir, dtype)
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_chat(tokenizer, QUESTIONS[0])
-    bandwidth = measure_bandwidth(args.threads)
+    bandwidth, rate = read_bandwidth(), matmul_rate(dtype=dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     spec = engine.spec
+    product_params = spec.num_layers * spec.layer_matrix_elements + spec.vocab_size * spec.hidden_size  # + LM head
     kv_per_token = kv_bytes_per_block(spec, 1, dtype)
     rows = []
     for batch in (1, 8, 32):
@@ -261,9 +257,30 @@ def worker_floor(args) -> dict:
         step = times[len(times) // 2]
         context = len(prompt) + 20  # median context during the timed steps
         floor = (weight_bytes + batch * context * kv_per_token) / bandwidth
+        flops = batch * (2 * product_params + 4 * spec.num_layers * spec.num_heads * spec.head_dim * context)
         rows.append({"batch": batch, "step_ms": step * 1e3, "floor_ms": floor * 1e3, "step_over_floor": step / floor,
+                     "gflop_s": flops / step / 1e9, "share_of_matmul_rate": flops / step / rate,
                      "tokens_per_s": batch / step})
-    return {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes, "decode": rows}
+    return {"bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": rate / 1e9, "weight_bytes": weight_bytes,
+            "decode": rows}
+
+
+def floor_verdicts(floor: dict) -> list[str]:
+    """One line per batch: its step against the bar issue 31 holds it to, met or not."""
+    lines = []
+    for row in floor["decode"]:
+        kind, bar = FLOOR_BARS[row["batch"]]
+        if kind == "floor":
+            met = row["step_over_floor"] <= bar
+            lines.append(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step = {row['step_over_floor']:.2f}x "
+                         f"its memory floor {row['floor_ms']:.1f} ms (bar {bar}x: {'met' if met else 'NOT met'})")
+        else:
+            met = row["share_of_matmul_rate"] >= bar
+            lines.append(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step = {row['gflop_s']:.0f} GFLOP/s, "
+                         f"{100 * row['share_of_matmul_rate']:.0f} % of the matmul rate {floor['matmul_gflop_s']:.0f} "
+                         f"(bar {100 * bar:.0f} %: {'met' if met else 'NOT met'}); {row['step_over_floor']:.1f}x "
+                         f"the memory floor")
+    return lines
 
 
 def run_worker(args) -> None:
@@ -334,7 +351,7 @@ def main() -> None:
         "length_model": {"mean": args.mean, "tailness": args.tailness, "cap": args.cap, "seed": args.seed},
         "workloads": {},
     }
-    for workload in args.workloads.split(","):
+    for workload in [w for w in args.workloads.split(",") if w]:  # --workloads "": the decode floor only
         entry: dict = {}
         if workload == "long_tail":
             entry["lengths"] = lengths_for(args.prompts * args.samples, args.mean, args.tailness, args.cap, args.seed)
@@ -357,10 +374,10 @@ def main() -> None:
     if "native" in engines:
         report["decode_floor"] = spawn(args, "floor")
         floor = report["decode_floor"]
-        print(f"bandwidth {floor['bandwidth_gb_s']:.1f} GB/s, weights {floor['weight_bytes'] / 1e6:.0f} MB")
-        for row in floor["decode"]:
-            print(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step, floor {row['floor_ms']:5.1f} ms "
-                  f"({row['step_over_floor']:.1f}x), {row['tokens_per_s']:.0f} tok/s")
+        print(f"{cpu_model()}, {args.threads} threads, {args.dtype}: read bandwidth {floor['bandwidth_gb_s']:.1f} GB/s, "
+              f"matmul rate {floor['matmul_gflop_s']:.0f} GFLOP/s, weights {floor['weight_bytes'] / 1e6:.0f} MB")
+        for line in floor_verdicts(floor):
+            print(line)
     report["machine"]["load_avg_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

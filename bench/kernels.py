@@ -6,7 +6,7 @@ kernels run every projection of the 30 layers (distinct weights, as in the model
 sit in cache) plus the LM head, interleaved over rounds; the table gives GFLOP/s and the speed-up,
 and the physical floor of those products: the larger of reading every weight once at the measured
 read bandwidth and their FLOPs at the best rate either kernel reaches on a 2048² product
-(bench/step.py's `matmul_rate` and `read_bandwidth`: the physical floor it holds the rollout to). `oneDNN / floor` is how far the fastest
+(bench/limits.py's `matmul_rate` and `read_bandwidth`: the physical floor it holds the rollout to). `oneDNN / floor` is how far the fastest
 kernel alone, with no attention, sampling or Python around it, stays above that floor.
 
     python bench/kernels.py [--rounds 3] [--rows 1,4,8,32,2048] [--threads 1,2]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from step import matmul_rate, read_bandwidth  # the floor bench/step.py holds the rollout to
+from limits import matmul_rate, read_bandwidth  # the floor bench/step.py holds the rollout to
 from machine import cpu_model  # bench/
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"

@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from limits import matmul_rate, read_bandwidth  # bench/
 from machine import cpu_model  # bench/
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,40 +92,6 @@ def peak_mb() -> float:
 
 def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
-
-
-def matmul_rate(seconds: float = 1.0) -> float:
-    """fp32 FLOP/s of a large matmul on this process's threads, with the faster of torch's kernels
-    (MKL's `aten::mm`, oneDNN over a packed weight): the compute ceiling of a step."""
-    import torch
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    products = [lambda: a @ b]
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # the before tree too
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, 32)
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-    best = 0.0
-    for product in products:
-        product()
-        done, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            product()
-            done += 1
-        best = max(best, done * 2 * 2048**3 / (time.perf_counter() - started))
-    return best
-
-
-def read_bandwidth(seconds: float = 1.0) -> float:
-    """Bytes/s of summing a 512 MiB tensor: the memory-read rate bench/engine.py's decode floor uses."""
-    import torch
-
-    big = torch.ones(128 * 2**20)
-    big.sum()
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        big.sum()
-        done += 1
-    return done * big.nbytes / (time.perf_counter() - started)
 
 
 class RolloutProfile:
