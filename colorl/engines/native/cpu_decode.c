@@ -27,6 +27,8 @@ static inline v8 load8(const float *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
+#define BROADCAST8(s) ((v8){(s), (s), (s), (s), (s), (s), (s), (s)}) /* one vbroadcastss from memory */
+
 static inline float hsum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

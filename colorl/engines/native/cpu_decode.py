@@ -30,7 +30,7 @@ import torch
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, the panels' ground
 MAX_PANEL_ROWS = 32  # the most rows a decode step's products may take through the panels (a rollout batch)
 PANEL_RACE_ROWS = (12, 16, 24, 32)  # the panel row counts raced; the counts between follow their neighbours
-PANEL = 24  # outputs per panel (cpu_decode_loops.h)
+PANEL = 16  # outputs per panel (cpu_decode_loops.h)
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
 RACE_ROUNDS = 3

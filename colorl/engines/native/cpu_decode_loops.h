@@ -71,12 +71,13 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue 31), in the
  * classic way: the weights packed once per version in panels of PANEL outputs, k-major ([N/PANEL,
  * K, PANEL], zero-padded), x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
- * a TILE x PANEL block of sums held in twelve vector registers while k runs: per k, three weight
- * vectors and four broadcasts feed twelve FMAs, with no horizontal sums. Each thread streams its
+ * a TILE x PANEL block of sums held in twelve vector registers while k runs: per k, two weight
+ * vectors and six broadcasts feed twelve FMAs, with no horizontal sums (fifteen registers of AVX2's
+ * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them). Each thread streams its
  * own run of panels once (the first tile asks for it PANEL_AHEAD values ahead, as the rows kernel
  * does); the later tiles of a panel read it again from L2. */
-#define PANEL 24
-#define TILE 4
+#define PANEL 16
+#define TILE 6
 #define PANEL_AHEAD 2048
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
@@ -93,30 +94,29 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
 }
 
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wp, int64_t K,
-                                                                   int fetch, v8 c[TILE][3]) {
-    v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
-    v8 c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+                                                                   int fetch, v8 c[TILE][2]) {
+    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
         const ELEM *wk = wp + k * PANEL;
-        if (fetch) {
-            __builtin_prefetch(wk + PANEL_AHEAD, 0, 2);
-            __builtin_prefetch((const char *)(wk + PANEL_AHEAD) + 64, 0, 2);
-        }
-        v8 w0 = LOAD8(wk), w1 = LOAD8(wk + 8), w2 = LOAD8(wk + 16);
+        if (fetch) __builtin_prefetch(wk + PANEL_AHEAD, 0, 2);
+        v8 w0 = LOAD8(wk), w1 = LOAD8(wk + 8);
         const float *xk = xt + k * TILE;
-        v8 a = (v8){0} + xk[0];
-        c00 += a * w0; c01 += a * w1; c02 += a * w2;
-        a = (v8){0} + xk[1];
-        c10 += a * w0; c11 += a * w1; c12 += a * w2;
-        a = (v8){0} + xk[2];
-        c20 += a * w0; c21 += a * w1; c22 += a * w2;
-        a = (v8){0} + xk[3];
-        c30 += a * w0; c31 += a * w1; c32 += a * w2;
+        v8 a = BROADCAST8(xk[0]);
+        c00 += a * w0; c01 += a * w1;
+        a = BROADCAST8(xk[1]);
+        c10 += a * w0; c11 += a * w1;
+        a = BROADCAST8(xk[2]);
+        c20 += a * w0; c21 += a * w1;
+        a = BROADCAST8(xk[3]);
+        c30 += a * w0; c31 += a * w1;
+        a = BROADCAST8(xk[4]);
+        c40 += a * w0; c41 += a * w1;
+        a = BROADCAST8(xk[5]);
+        c50 += a * w0; c51 += a * w1;
     }
-    c[0][0] = c00; c[0][1] = c01; c[0][2] = c02;
-    c[1][0] = c10; c[1][1] = c11; c[1][2] = c12;
-    c[2][0] = c20; c[2][1] = c21; c[2][2] = c22;
-    c[3][0] = c30; c[3][1] = c31; c[3][2] = c32;
+    c[0][0] = c00; c[0][1] = c01; c[1][0] = c10; c[1][1] = c11; c[2][0] = c20; c[2][1] = c21;
+    c[3][0] = c30; c[3][1] = c31; c[4][0] = c40; c[4][1] = c41; c[5][0] = c50; c[5][1] = c51;
 }
 
 /* y [B, N] = x [B, K] . w [N, K]^T (+ bias), w given as its panels (colorl_pack_panels). */
@@ -143,7 +143,7 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
             float bv[PANEL];
             for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
             for (int64_t t = 0; t < tiles; t++) {
-                v8 c[TILE][3];
+                v8 c[TILE][2];
                 if (t == 0)
                     NAMED(panel_tile)(xp + t * K * TILE, wp, K, 1, c);
                 else
@@ -151,10 +151,10 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
                 for (int64_t i = 0; i < TILE && t * TILE + i < B; i++) {
                     ELEM *row = y + (t * TILE + i) * N + n0;
                     if (width == PANEL) {
-                        for (int v = 0; v < 3; v++) STORE8(row + 8 * v, c[i][v] + load8(bv + 8 * v));
+                        for (int v = 0; v < 2; v++) STORE8(row + 8 * v, c[i][v] + load8(bv + 8 * v));
                     } else {
                         float sums[PANEL];
-                        for (int v = 0; v < 3; v++) store8(sums + 8 * v, c[i][v] + load8(bv + 8 * v));
+                        for (int v = 0; v < 2; v++) store8(sums + 8 * v, c[i][v] + load8(bv + 8 * v));
                         for (int64_t j = 0; j < width; j++) STORE1(row + j, sums[j]);
                     }
                 }
