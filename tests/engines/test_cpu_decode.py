@@ -360,7 +360,8 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         verdicts.record_in_run(None)
 
 
-@pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_PANEL_ROWS + 1))), ("none", set()),
+@pytest.mark.parametrize("value, rows", [("all", {*range(1, cpu_decode.MAX_PANEL_ROWS + 1), cpu_decode.PREFILL_ROWS}),
+                                         ("none", set()),
                                          ("1,3", {1, 3})])
 def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):
     """The CI lanes force each extreme, so both kernels run at every row count whatever this CPU's race says."""
@@ -368,6 +369,7 @@ def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value,
     monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: pytest.fail("raced"))
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
     assert library.rows_won(torch.float32) == rows and library.rows_won(torch.bfloat16) == rows
+    assert library.takes(1000, torch.float32) == (value == "all")  # above MAX_PANEL_ROWS: with 32 and PREFILL_ROWS
 
 
 def test_a_bad_forced_rows_verdict_is_one_clear_error(monkeypatch):
@@ -385,10 +387,21 @@ def test_race_measures_every_row_count(compiled, dtype):
 
 
 def test_panel_row_counts_between_the_raced_ones_follow_both_neighbours():
-    assert cpu_decode.PANEL_RACE_ROWS == (12, 16, 24, 32)
+    assert cpu_decode.PANEL_RACE_ROWS == (12, 16, 24, 32, cpu_decode.PREFILL_ROWS)
     assert cpu_decode.between_raced(frozenset({1, 2, 12, 16, 24, 32})) == {1, 2, *range(9, 33)}
     assert cpu_decode.between_raced(frozenset({12, 24, 32})) == {*range(9, 13), *range(24, 33)}  # 16 lost
     assert cpu_decode.between_raced(frozenset({1, 2, 3})) == {1, 2, 3}  # 9 and up follow 12, not 8's kernel
+
+
+def test_an_engine_whose_loops_take_every_row_count_makes_no_onednn_copies(compiled, tiny_model_dir, monkeypatch):
+    """Prefill through the panels too (where they won PREFILL_ROWS): oneDNN's packed copies, a second full copy
+    of the weights, are never made; where some count goes to oneDNN they are, at each weight version."""
+    for won, packed in ((frozenset({*range(1, 33), 256}), False), (frozenset(range(1, 33)), True)):
+        monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype, won=won: won)
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4))
+        eng.generate([GenerationRequest("a", list(range(10, 50)), SamplingParams(max_new_tokens=3, ignore_eos=True))])
+        assert bool(eng.model.linears.packed._packed) == packed
+        assert compiled.takes(40, torch.float32) == (not packed)
 
 
 def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch):

@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, the panels' ground
-MAX_PANEL_ROWS = 32  # the most rows a decode step's products may take through the panels (a rollout batch)
-PANEL_RACE_ROWS = (12, 16, 24, 32)  # the panel row counts raced; the counts between follow their neighbours
+MAX_PANEL_ROWS = 32  # the row counts raced one by one or between raced neighbours (a rollout batch decoding)
+PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks, scoring, larger batches
+PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 16  # outputs per panel (cpu_decode_loops.h)
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
@@ -163,6 +164,16 @@ class CpuDecode:
         from colorl.verdicts import measured_verdict
 
         return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype), keys=("won",))
+
+    def takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """The loops run a product of `rows` rows in `dtype` here (`rows_won`; above MAX_PANEL_ROWS: when both
+        MAX_PANEL_ROWS and PREFILL_ROWS were won)."""
+        won = self.rows_won(dtype)
+        return rows in won if rows <= MAX_PANEL_ROWS else {MAX_PANEL_ROWS, PREFILL_ROWS} <= won
+
+    def takes_every_count(self, dtype: torch.dtype) -> bool:
+        """No product of `dtype` needs oneDNN's packed copies here: the loops won every row count."""
+        return set(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS} <= self.rows_won(dtype)
 
     @functools.cache
     def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
@@ -299,16 +310,17 @@ def forced_rows() -> frozenset[int] | None:
     value = os.environ.get("COLORL_CPU_DECODE_ROWS", "").strip().lower()
     if not value:
         return None
-    if value == "all":
-        return frozenset(range(1, MAX_PANEL_ROWS + 1))
+    if value == "all":  # every row count, above MAX_PANEL_ROWS too
+        return frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}
     if value == "none":
         return frozenset()
     try:
         rows = frozenset(int(part) for part in value.split(","))
     except ValueError:
         rows = frozenset({0})
-    if not rows <= set(range(1, MAX_PANEL_ROWS + 1)):
-        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_PANEL_ROWS}")
+    if not rows <= set(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}:
+        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_PANEL_ROWS} "
+                         f"({PREFILL_ROWS}: every count above {MAX_PANEL_ROWS})")
     return rows
 
 
@@ -341,9 +353,10 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     items = {}
     for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
+        count = len(weights) if rows <= MAX_PANEL_ROWS else 2  # a prefill's product is long enough on two
         ours = ((lambda x=x: [compiled.linear(x, w, None) for w in weights]) if rows <= MAX_ROWS else
-                (lambda x=x: [compiled.panel_linear(x, p, 3072, None) for p in panels]))
-        items[rows] = (ours, lambda x=x: [packed.linear(x, w, None) for w in weights])
+                (lambda x=x, count=count: [compiled.panel_linear(x, p, 3072, None) for p in panels[:count]]))
+        items[rows] = (ours, lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]])
     return stable_race(items, RACE_ROUNDS)
 
 

@@ -228,8 +228,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
 class Products:
     """Where the engine's matrix products run: the compiled loops for a decode step's rows (the rows
     kernel up to MAX_ROWS, the panels above: at the row counts where they beat the alternative in this
-    machine's race, per dtype), oneDNN over packed weights otherwise (`PackedLinears`). Both copies are
-    dropped with every weight version and made again on first use."""
+    machine's race, per dtype; the panels above MAX_PANEL_ROWS too, prefill included, when they won
+    there), oneDNN over packed weights otherwise (`PackedLinears`; where the loops won every row count,
+    none is made). Both copies are dropped with every weight version and made again when needed."""
 
     def __init__(self) -> None:
         self.packed = PackedLinears()
@@ -239,7 +240,7 @@ class Products:
                compiled: CpuDecode | None = None) -> torch.Tensor:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
         rows = x.shape[0]
-        if compiled is not None and rows in compiled.rows_won(x.dtype) and x.is_contiguous():
+        if compiled is not None and compiled.takes(rows, x.dtype) and x.is_contiguous():
             if rows <= cpu_decode.MAX_ROWS:
                 return compiled.linear(x, weight, bias)
             return compiled.panel_linear(x, self.panels.of(weight, compiled), weight.shape[0], bias)
@@ -411,7 +412,7 @@ class CausalLM(nn.Module):
         tokens = x.shape[0]
         if (compiled is None or compiled.seconds is not None or s.qk_norm or not self.layers[0].mlp.silu
                 or len(step.groups) != 1 or step.groups[0].block_tables is None
-                or tokens not in compiled.rows_won(x.dtype)):
+                or not compiled.takes(tokens, x.dtype)):
             return None
         group = step.groups[0]
         width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -446,9 +447,13 @@ class CausalLM(nn.Module):
     def repack(self) -> None:
         """Refresh the packed matmul weights: call after writing into `hf_weights()` in place.
         Only the matrices products use: an untied embedding is only looked up, never packed."""
-        products = [p for layer in self.layers for p in layer.parameters() if p.dim() == 2]
+        products = [p for layer in self.layers for p in layer.parameters() if p.dim() == 2] + [self._head()]
         self.linears.panels.clear()
-        self.linears.packed.repack(products + [self._head()])
+        compiled = self.compiled(products[0].dtype, products[0].device)
+        if compiled is not None and compiled.takes_every_count(products[0].dtype):
+            self.linears.packed.clear()  # no product runs on them here: none is made (nor its memory)
+        else:
+            self.linears.packed.repack(products)
 
     # ------------------------------------------------------------ HF names
     def hf_weights(self) -> dict[str, torch.Tensor]:
