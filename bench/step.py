@@ -25,7 +25,14 @@ With --trl-site DIR (a `pip install --target DIR --no-deps trl` next to this ven
 GRPOTrainer runs the same prompts at equal work (8 x 4, <= 64 new tokens, T = 1, beta 0, one
 optimizer step per generation batch) and reports step time, completion tokens/s and peak memory.
 
+With --frontier (issue 31), two_digit only: both systems at each micro-batch setting (TRL: 8
+completions x 4 accumulation steps and 32 x 1; colorl: the token budget of TRL's 8 padded
+completions, its default, and any --budgets) x activation checkpointing off / on, each repeat
+interleaved, each colorl point against TRL at the same checkpointing; --systems and --add-to let
+one system's runs be taken at another time into the same JSON.
+
     flock /tmp/colorl-cpu.lock python bench/step.py [--repeats 2] [--steps 2] [--trl-site /tmp/trl-site]
+    flock /tmp/colorl-cpu.lock python bench/step.py --frontier --trl-site /tmp/trl-site --steps 3 --repeats 2
     .venv-vllm/bin/python bench/step.py --engines native vllm --workloads quickstart long_tail --steps 3
 """
 from __future__ import annotations
@@ -713,7 +720,7 @@ def print_frontier(report: dict) -> None:
     (speed: colorl / TRL completion tokens/s; memory: colorl / TRL max RSS)."""
     med = lambda entry, key: statistics.median(r[key] for r in entry["runs"])  # noqa: E731
     print(f"\n{report.get('cpu', '')}")
-    print(f"{'point':34}{'runs':>5}{'step s':>8}{'compl tok/s':>13}{'max RSS GB':>12}   vs TRL at the same checkpointing")
+    print(f"{'point':34}{'runs':>5}{'step s':>8}{'compl tok/s':>13}{'max RSS GiB':>12}   vs TRL at the same checkpointing")
     for key, entry in report["points"].items():
         line = (f"{key:34}{len(entry['runs']):>5}{med(entry, 'step_s'):>8.1f}{med(entry, 'completion_tokens_per_s'):>13.1f}"
                 f"{med(entry, 'process_max_rss_mb') / 1024:>12.2f}")

@@ -1,6 +1,7 @@
 """NativeEngine behaviour against Hugging Face references, on a tiny random model (SmolLM2: slow)."""
 from __future__ import annotations
 
+import ctypes
 import random
 from dataclasses import replace
 
@@ -270,6 +271,37 @@ def test_sleep_level_2_releases_the_weights_and_refuses_to_serve_until_a_full_lo
     eng.wake()
     assert all(torch.equal(eng.named_weights()[name], tensor) for name, tensor in served.items())  # bit-exact
     assert [r.output_ids for r in eng.generate(requests(PROMPTS, params, prefix="b"))] == first
+
+
+def _mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line whose range holds `address`, or None."""
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return line
+    return None
+
+
+@pytest.fixture
+def kept_heap():
+    """Every allocation from the heap, as in colorl's CPU ranks (MALLOC_MMAP_MAX_=0, colorl/launch.py)."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_max = -4
+    libc.mallopt(m_mmap_max, 0)
+    yield
+    libc.mallopt(m_mmap_max, 65536)  # glibc's default
+
+
+def test_the_cpu_kv_pool_is_a_mapping_of_its_own_given_back_at_sleep(model_dir, kept_heap):
+    """Not on the heap: a rank keeps its heap, where the pool's touched pages stayed resident after
+    sleep and the train phase's tensors landed beside them, a little higher each step (issue 31)."""
+    eng = engine(model_dir)
+    address = eng.runner.kv_cache.data_ptr()
+    assert "[heap]" not in _mapping_of(address)
+    eng.sleep(1)
+    assert _mapping_of(address) is None  # its pages went back to the system
+    eng.wake()
+    assert eng.generate(requests([PROMPTS[0]]))[0].output_ids
 
 
 def test_a_load_of_every_weight_brings_released_weights_back(model_dir, hf):
