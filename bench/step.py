@@ -25,12 +25,20 @@ With --trl-site DIR (a `pip install --target DIR --no-deps trl` next to this ven
 GRPOTrainer runs the same prompts at equal work (8 x 4, <= 64 new tokens, T = 1, beta 0, one
 optimizer step per generation batch) and reports step time, completion tokens/s and peak memory.
 
+With --frontier (issue 31), two_digit only: both systems at each micro-batch setting (TRL: 8
+completions x 4 accumulation steps and 32 x 1; colorl: the token budget of TRL's 8 padded
+completions, its default, and any --budgets) x activation checkpointing off / on, each repeat
+interleaved, each colorl point against TRL at the same checkpointing; --systems and --add-to let
+one system's runs be taken at another time into the same JSON.
+
     flock /tmp/colorl-cpu.lock python bench/step.py [--repeats 2] [--steps 2] [--trl-site /tmp/trl-site]
+    flock /tmp/colorl-cpu.lock python bench/step.py --frontier --trl-site /tmp/trl-site --steps 3 --repeats 2
     .venv-vllm/bin/python bench/step.py --engines native vllm --workloads quickstart long_tail --steps 3
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -40,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from limits import matmul_rate, read_bandwidth  # bench/
@@ -223,6 +232,15 @@ def step_inputs(ctx) -> tuple[list[int], int]:
         return list(ctx.problem_indices()), ctx.sample_seed()
 
 
+def prompt_ids(ctx, problem) -> list[int]:
+    """A problem's prompt ids in the API of the tree under test (the problem since conversational
+    datasets, its prompt text before)."""
+    try:
+        return ctx.prompt_ids(problem)
+    except AttributeError:
+        return ctx.prompt_ids(problem.prompt)
+
+
 def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -261,9 +279,9 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
         engine.wake()
         indices, seed = step_inputs(ctx)
         problems = [ctx.task.train_problem(i) for i in indices]
-        groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p.prompt) for p in problems], cfg.rollout,
+        groups = collect_groups(rollouts, problems, [prompt_ids(ctx, p) for p in problems], cfg.rollout,
                                 ctx.reward_fn, ctx.decode, seed, ctx.stop_ids)
-        engine.sleep(cfg.engine.sleep_level)
+        engine.sleep(cfg.engine.sleep_level or cfg.sleep_level)  # null: the level the tree chooses
         row["rollout_s"], row["rollout_peak_mb"] = time.perf_counter() - started, peak_mb()
         if profile is not None:
             row.update(profile.take())
@@ -301,7 +319,11 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
 
 # -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
 
-def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_path: str) -> None:
+def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_path: str, micro: int = 32,
+            checkpointing: bool = False) -> None:
+    """TRL's GRPOTrainer over the same prompts: `micro` completions per forward/backward and 32 / micro
+    accumulation steps (one generation of 8 x 4 and one optimizer step either way); TRL's own default
+    turns gradient checkpointing on, so it is always set here."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -336,8 +358,8 @@ def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_p
                 timings[-1]["loss"] = logs.get("loss")
 
     args = GRPOConfig(
-        output_dir=str(out.parent / "trl"), per_device_train_batch_size=32, num_generations=4,
-        gradient_accumulation_steps=1, max_completion_length=64, temperature=1.0, top_p=1.0, learning_rate=2e-5,
+        output_dir=str(out.parent / "trl"), per_device_train_batch_size=micro, num_generations=4,
+        gradient_accumulation_steps=32 // micro, gradient_checkpointing=checkpointing, max_completion_length=64, temperature=1.0, top_p=1.0, learning_rate=2e-5,
         beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         bf16=precision == "bfloat16", seed=0, dataloader_num_workers=0, shuffle_dataset=False,
     )
@@ -459,7 +481,17 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model.path (tiny-random-llama: smoke test)")
     parser.add_argument("--trl-site", default=None, help="folder with TRL installed (--target); none: skip TRL")
     parser.add_argument("--chunk-sweep", action="store_true", help="time the LM-head chunk sizes and exit")
+    parser.add_argument("--frontier", action="store_true",
+                        help="speed and max RSS of both systems at each micro-batch x checkpointing setting (two_digit)")
+    parser.add_argument("--systems", nargs="+", default=["colorl", "trl"], choices=["colorl", "trl"],
+                        help="--frontier: which systems to run this time")
+    parser.add_argument("--budgets", nargs="*", type=int, default=[],
+                        help="--frontier: more colorl token budgets besides TRL's 8 padded completions and the default")
+    parser.add_argument("--add-to", default=None,
+                        help="--frontier: a frontier JSON under bench/results whose runs this one adds to")
     parser.add_argument("--worker", choices=["colorl", "trl", "chunks"], help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -477,8 +509,11 @@ def main() -> int:
         (ROOT / "bench" / "results" / "step_chunks.json").write_text(json.dumps(sweep, indent=2))
         return 0
     if args.worker == "trl":
-        run_trl(args.steps, Path(args.prompts), Path(args.out), args.precision, args.model)
+        run_trl(args.steps, Path(args.prompts), Path(args.out), args.precision, args.model, args.micro,
+                args.checkpointing)
         return 0
+    if args.frontier:
+        return run_frontier(args)
 
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -565,6 +600,105 @@ def print_table(results: dict, baseline: str = "before") -> None:
             ratio = (statistics.median(r["completion_tokens_per_s"] for r in runs["after"])
                      / statistics.median(r["completion_tokens_per_s"] for r in runs["trl"]))
             print(f"  after vs TRL: completion tokens/s x{ratio:.2f}")
+
+
+# -- the frontier: both systems at each micro-batch x checkpointing setting (issue 31 item 3) ---------
+
+TRL_MICRO = (8, 32)  # completions per forward/backward; 32 / micro gradient accumulation steps
+
+
+@dataclass(frozen=True)
+class Point:
+    """One setting of one system: TRL's completions per micro-batch, or colorl's token budget
+    (None: its default), and activation checkpointing."""
+
+    system: str
+    micro: int | None
+    checkpointing: bool
+
+    @property
+    def key(self) -> str:
+        if self.system == "trl":
+            size = f"{self.micro} x {32 // self.micro}"
+        else:
+            size = "default budget" if self.micro is None else f"budget {self.micro}"
+        return f"{self.system} {size}, ckpt {'on' if self.checkpointing else 'off'}"
+
+
+def padded_budget(prompts: Path, model: str, completions: int, max_new_tokens: int = 64) -> int:
+    """TRL's micro-batch of `completions` in tokens: it pads every row to the longest prompt plus the
+    longest completion, at most this many (the same prompts, rendered by the same chat template)."""
+    from transformers import AutoTokenizer
+
+    from colorl.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    longest = max(len(tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["prompt"]}],
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False))
+                  for line in prompts.read_text().splitlines())
+    return completions * (longest + max_new_tokens)
+
+
+def run_frontier(args) -> int:
+    """Every point, each repeat interleaved (TRL then colorl at each checkpointing setting); rows are
+    added to --add-to's when given, so one system's runs can be taken at another time."""
+    path = ROOT / "bench" / "results" / (args.results or "step_frontier.json")
+    report = json.loads((ROOT / "bench" / "results" / args.add_to).read_text()) if args.add_to else {"points": {}}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        prompts = write_prompts(tmp / "prompts.jsonl")
+        budgets = {n: padded_budget(prompts, args.model, n) for n in TRL_MICRO}
+        points = []
+        for checkpointing in (False, True):
+            if "trl" in args.systems:
+                points += [Point("trl", n, checkpointing) for n in TRL_MICRO]
+            if "colorl" in args.systems:
+                points += [Point("colorl", budget, checkpointing) for budget in (budgets[8], *args.budgets, None)]
+        for repeat in range(args.repeats):
+            for point in points:
+                if point.system == "trl":
+                    run = try_spawn(ROOT, ["--worker", "trl", "--steps", str(args.steps), "--prompts", str(prompts),
+                                           "--model", args.model, "--micro", str(point.micro),
+                                           *(["--checkpointing"] if point.checkpointing else [])], args.trl_site)
+                else:
+                    cfg = config("two_digit", prompts, tmp / f"colorl-{len(points)}-{repeat}" / "bench-step",
+                                 args.precision, args.model)
+                    cfg["train"]["activation_checkpointing"] = point.checkpointing
+                    if point.micro is not None:
+                        cfg["train"]["max_tokens_per_micro_batch"] = point.micro
+                    run = spawn(ROOT, ["--worker", "colorl", "--steps", str(args.steps), "--config", json.dumps(cfg)])
+                row = summarise(run)
+                entry = report["points"].setdefault(point.key, {**dataclasses.asdict(point), "runs": []})
+                entry["runs"].append(row)
+                print(f"{point.key} repeat {repeat}: step {row['step_s']:.1f} s, "
+                      f"{row['completion_tokens_per_s']:.1f} compl tok/s, max RSS {row['process_max_rss_mb']:.0f} MB",
+                      flush=True)
+                path.write_text(json.dumps(report, indent=2))  # a long sweep keeps what it has
+    report.update({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+                   "steps": args.steps, "repeats": args.repeats, "precision": args.precision or "float32",
+                   "trl_padded_budgets": budgets})
+    path.write_text(json.dumps(report, indent=2))
+    print_frontier(report)
+    return 0
+
+
+def print_frontier(report: dict) -> None:
+    """Medians per point; each colorl point against TRL at each micro-batch with the same checkpointing
+    (speed: colorl / TRL completion tokens/s; memory: colorl / TRL max RSS)."""
+    med = lambda entry, key: statistics.median(r[key] for r in entry["runs"])  # noqa: E731
+    print(f"\n{report.get('cpu', '')}")
+    print(f"{'point':34}{'runs':>5}{'step s':>8}{'compl tok/s':>13}{'max RSS GiB':>12}   vs TRL at the same checkpointing")
+    for key, entry in report["points"].items():
+        line = (f"{key:34}{len(entry['runs']):>5}{med(entry, 'step_s'):>8.1f}{med(entry, 'completion_tokens_per_s'):>13.1f}"
+                f"{med(entry, 'process_max_rss_mb') / 1024:>12.2f}")
+        if entry["system"] == "colorl":
+            for n in TRL_MICRO:
+                trl = report["points"].get(Point("trl", n, entry["checkpointing"]).key)
+                if trl:
+                    speed = med(entry, "completion_tokens_per_s") / med(trl, "completion_tokens_per_s")
+                    memory = med(entry, "process_max_rss_mb") / med(trl, "process_max_rss_mb")
+                    line += f"   TRL {n} x {32 // n}: speed x{speed:.2f}, memory x{memory:.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ class EngineConfig(Section):
     num_blocks: Optional[int] = Field(None, ge=1)  # explicit KV pool size; overrides memory_fraction
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
-    sleep_level: Literal[1, 2] = 1
+    sleep_level: Optional[Literal[1, 2]] = None  # null: Config.sleep_level chooses
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # served dtype; null: model.dtype
     weights_cpu_backup: bool = False  # a host copy of the weights while asleep at level 2 (LoRA turns it on)
     in_flight_updates: bool = False  # set from `mode`: weights change while requests run (bounded-lag)
@@ -220,6 +220,15 @@ class Config(Section):
                              "CUDA, make setup-vllm on x86 CPUs); engines this machine can run: "
                              + ", ".join(map(repr, runnable_engines())))
         return self
+
+    @property
+    def sleep_level(self) -> int:
+        """engine.sleep_level, or where it is null the level that costs nothing: 2 for the native engine
+        in colocated mode without LoRA, whose every sync rewrites all its weights in place (releasing
+        them between rollouts gives the training phase their memory), else 1."""
+        if self.engine.sleep_level is not None:
+            return self.engine.sleep_level
+        return 2 if self.rollout.engine == "native" and self.mode == "colocated" and self.model.lora is None else 1
 
     @property
     def rollouts_per_step(self) -> int:

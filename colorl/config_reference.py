@@ -162,7 +162,9 @@ NOTES: dict[str, str] = {
     "engine.num_blocks": "Explicit KV pool size in blocks; overrides `memory_fraction`.",
     "engine.max_num_seqs": "Most sequences one engine decodes at once (also capped by C / ranks).",
     "engine.max_prefill_tokens": "Chunked-prefill token budget per engine step.",
-    "engine.sleep_level": "Colocated mode between rollouts: 1 frees the KV cache, 2 also the weights.",
+    "engine.sleep_level": "Colocated mode between rollouts: 1 frees the KV cache, 2 also the weights (the next "
+                          "sync brings them back). null: 2 for the native engine without LoRA (every sync "
+                          "rewrites all its weights anyway, so training gets their memory for nothing), else 1.",
     "launch.nproc": "Ranks (processes) to launch; one per device. `--nproc` sets it.",
     "launch.device": "`auto` (CUDA if present), `cpu` or `cuda`. `--device` sets it.",
     "launch.collective_timeout_s": "A rank stuck in a collective longer than this ends the run.",

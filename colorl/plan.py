@@ -281,7 +281,7 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     train = always + ("gradients", "optimizer state", "activations", "unsharded layers")
     if cfg.mode == "bounded_lag":
         train += ("engine weights", "engine KV cache")
-    elif cfg.engine.sleep_level == 1:
+    elif cfg.sleep_level == 1:
         train += ("engine weights",)
     phases = [Phase("rollout", always + optimizer + ("engine weights", "engine KV cache")),
               Phase("train", train),
@@ -322,7 +322,7 @@ def knobs(cfg) -> list[list[tuple[str, Callable]]]:
     families.append(budgets)
     if not cfg.train.offload_optimizer:
         families.append([("train.offload_optimizer=true", lambda c: _with(c, "train", offload_optimizer=True))])
-    if cfg.engine.sleep_level == 1 and cfg.mode == "colocated":
+    if cfg.sleep_level == 1 and cfg.mode == "colocated":
         families.append([("engine.sleep_level=2", lambda c: _with(c, "engine", sleep_level=2))])
     families.append([(f"engine.memory_fraction={f}", lambda c, f=f: _with(c, "engine", memory_fraction=f))
                      for f in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2) if f != cfg.engine.memory_fraction])

@@ -126,7 +126,7 @@ class RankContext:
         if run_eval is None:
             self.wake_engine()
             result = self.evaluate_problems(problems)
-            # level 1 whatever engine.sleep_level says: the weights are current and no sync comes
+            # level 1 whatever the run's sleep level: the weights are current and no sync comes
             # before the next wake to restore them, which level 2 would require
             self.engine.sleep(1)
         else:
@@ -281,7 +281,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     distributed.release_cached_device_memory(device)
     # C = rollout.concurrency counts sequences in flight over all ranks; each engine takes its share
     per_rank_concurrency = -(-cfg.rollout.concurrency // world)
-    backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.engine.sleep_level == 2)
+    backup = cfg.engine.weights_cpu_backup or (cfg.model.lora is not None and cfg.sleep_level == 2)
     engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency),
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})

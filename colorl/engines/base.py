@@ -152,6 +152,12 @@ class Engine(ABC):
     def named_weights(self) -> Mapping[str, torch.Tensor]:
         """The engine's live weight tensors by HF name: targets for in-place loads."""
 
+    def full_load_targets(self) -> Mapping[str, torch.Tensor]:
+        """`named_weights()` for a writer that overwrites every one of them and then sets `version`
+        (the checkpoint engine's sync of a full fine-tune): an engine that released its weights at
+        sleep level 2 gives their memory back here."""
+        return self.named_weights()
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the engine's weights in place (caller guarantees a step boundary)."""
         targets = self.named_weights()

@@ -33,7 +33,7 @@ def run_colocated(ctx, stop) -> None:
         groups = collect_groups(rollouts, problems, [ctx.prompt_ids(p) for p in problems], cfg.rollout,
                                 ctx.reward_fn, ctx.decode, ctx.sample_seed(ctx.state.step), ctx.stop_ids, indices,
                                 cfg.filter.env_faults)
-        engine.sleep(cfg.engine.sleep_level)
+        engine.sleep(cfg.sleep_level)
         times.rollout, times.env_wait = time.perf_counter() - times.start, rollouts.take_env_wait_s()
         times.phase_done("rollout")
 

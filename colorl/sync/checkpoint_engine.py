@@ -364,8 +364,10 @@ class CheckpointEngine:
         """Route each tensor to its engine weights (in place) or to `load_weights` (per bucket).
 
         `keep_w0`: the LoRA base pass, where adapted weights go to the kept W0 copies instead.
+        Without LoRA the plan covers every engine weight (checked at start-up), so this is a full
+        load: an engine that released its weights while asleep takes them back through it.
         """
-        weights = engine.named_weights()
+        weights = engine.named_weights() if self._lora else engine.full_load_targets()
         in_place = _writes_in_place(weights)
         copies: list[list[torch.Tensor]] = []
         emits: list[list[str]] = []

@@ -1,6 +1,7 @@
 """NativeEngine behaviour against Hugging Face references, on a tiny random model (SmolLM2: slow)."""
 from __future__ import annotations
 
+import ctypes
 import random
 from dataclasses import replace
 
@@ -218,10 +219,12 @@ def test_named_weights_are_live(model_dir, hf):
     assert eng.generate(requests([PROMPTS[0]], prefix="z"))[0].output_ids != before
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_wake_round_trip_preserves_outputs(model_dir, level):
+@pytest.mark.parametrize("level, backup", [(1, False), (2, True)], ids=["level1", "level2-backup"])
+def test_sleep_wake_round_trip_preserves_outputs(model_dir, level, backup):
+    """Level 1, and level 2 with a backup (LoRA's: its sync re-sends only the adapted matrices):
+    the weights stay, nothing has to be loaded before the next rollout."""
     params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=9)
-    eng = engine(model_dir)
+    eng = engine(model_dir, weights_cpu_backup=backup)
     first = eng.generate(requests(PROMPTS, params))
     for r in requests(PROMPTS, params, prefix="s"):
         eng.add(r)
@@ -235,6 +238,81 @@ def test_sleep_wake_round_trip_preserves_outputs(model_dir, level):
     done = drain(eng)
     assert [done[f"s{i}"].output_ids for i in range(len(PROMPTS))] == [r.output_ids for r in first]
     assert [r.output_ids for r in eng.generate(requests(PROMPTS, params, prefix="t"))] == [r.output_ids for r in first]
+
+
+def _weight_bytes(eng) -> int:
+    return sum(p.numel() * p.element_size() for p in eng.model.parameters())
+
+
+def test_sleep_level_2_releases_the_weights_and_refuses_to_serve_until_a_full_load(model_dir):
+    eng = engine(model_dir)
+    served = {name: t.clone() for name, t in eng.named_weights().items()}
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=9)
+    first = [r.output_ids for r in eng.generate(requests(PROMPTS, params))]
+    eng.sleep(2)
+    assert _weight_bytes(eng) == 0 and eng.weights_released  # the training phase gets their memory
+    with pytest.raises(RuntimeError, match="released at sleep level 2"):
+        eng.wake()
+    with pytest.raises(RuntimeError, match="released at sleep level 2"):
+        eng.named_weights()  # a partial writer (a LoRA merge) cannot take them back
+    eng.version = 1  # a version stamp alone loads nothing
+    with pytest.raises(RuntimeError, match="no full load"):
+        eng.wake()
+    with pytest.raises(KeyError, match="missing"):  # some weights only: refused, still released
+        eng.load_weights(list(served.items())[:3])
+    assert eng.weights_released and _weight_bytes(eng) == 0
+
+    targets = eng.full_load_targets()  # the checkpoint engine's sync: every weight, then the version
+    with pytest.raises(RuntimeError, match="no full load"):
+        eng.wake()  # storage is back but not yet written
+    for name, tensor in served.items():
+        targets[name].copy_(tensor)
+    eng.version = 2
+    eng.wake()
+    assert all(torch.equal(eng.named_weights()[name], tensor) for name, tensor in served.items())  # bit-exact
+    assert [r.output_ids for r in eng.generate(requests(PROMPTS, params, prefix="b"))] == first
+
+
+def _mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line whose range holds `address`, or None."""
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return line
+    return None
+
+
+@pytest.fixture
+def kept_heap():
+    """Every allocation from the heap, as in colorl's CPU ranks (MALLOC_MMAP_MAX_=0, colorl/launch.py)."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_max = -4
+    libc.mallopt(m_mmap_max, 0)
+    yield
+    libc.mallopt(m_mmap_max, 65536)  # glibc's default
+
+
+def test_the_cpu_kv_pool_is_a_mapping_of_its_own_given_back_at_sleep(model_dir, kept_heap):
+    """Not on the heap: a rank keeps its heap, where the pool's touched pages stayed resident after
+    sleep and the train phase's tensors landed beside them, a little higher each step (issue 31)."""
+    eng = engine(model_dir)
+    address = eng.runner.kv_cache.data_ptr()
+    assert "[heap]" not in _mapping_of(address)
+    eng.sleep(1)
+    assert _mapping_of(address) is None  # its pages went back to the system
+    eng.wake()
+    assert eng.generate(requests([PROMPTS[0]]))[0].output_ids
+
+
+def test_a_load_of_every_weight_brings_released_weights_back(model_dir, hf):
+    eng = engine(model_dir)
+    first = eng.generate(requests(PROMPTS))
+    eng.sleep(2)
+    eng.update_weights(hf.state_dict().items(), version=1)  # whole tensors, as naive_sync hands them over
+    eng.wake()
+    weights = eng.named_weights()
+    assert all(torch.equal(weights[name], t) for name, t in hf.state_dict().items() if name in weights)
+    assert [r.output_ids for r in eng.generate(requests(PROMPTS, prefix="b"))] == [r.output_ids for r in first]
 
 
 def test_burst_larger_than_kv_pool_preempts_and_completes(model_dir, hf):

@@ -13,8 +13,12 @@ Around it sit the RL controls the trainer needs and a serving engine usually hid
   Running sequences keep their KV across an update (PipelineRL style); the prefix cache is
   dropped so no *new* request reuses KV computed by older weights;
 - `sleep(1)` frees the KV pool (in-flight sequences are re-prefilled after `wake()`) and the
-  packed weight copies, `sleep(2)` also moves the weights to host memory (on CPU they already
-  live there).
+  packed weight copies; `sleep(2)` also releases the weights, as vLLM's level 2 discards them:
+  colocated mode's next sync rewrites every one of them anyway, so the training phase gets their
+  memory. They come back only through a full load (`full_load_targets()` then setting `version`,
+  or `load_weights` with every weight); until then the engine refuses to wake or generate. With
+  `engine.weights_cpu_backup` (LoRA turns it on: its sync writes the adapted matrices only) level 2
+  keeps them instead, in host memory.
 
 Resumed requests: `params.max_new_tokens` bounds the whole output, carried tokens included, and
 the sampling stream continues at the carried length (same seed -> same continuation).
@@ -22,6 +26,7 @@ the sampling stream continues at the carried length (same seed -> same continuat
 from __future__ import annotations
 
 import dataclasses
+import enum
 import random
 import time
 from collections import deque
@@ -39,6 +44,12 @@ from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
 from colorl.models import eos_token_ids
 
 RATE_WINDOW_STEPS = 64  # decode tokens/s is measured over the last this many steps
+
+
+class WeightState(enum.Enum):
+    LOADED = "loaded"
+    RELEASED = "released"  # sleep level 2 without a backup: no storage
+    LOADING = "loading"  # storage back, written by a full load that ends when `version` is set
 
 
 class NativeEngine(Engine):
@@ -78,6 +89,9 @@ class NativeEngine(Engine):
         self.sampler = Sampler()
         self._version = 0
         self._sleep_level = 0
+        self._keeps_weights_asleep = engine_cfg.weights_cpu_backup
+        self._weights = WeightState.LOADED
+        self._shapes = {name: param.shape for name, param in self.model.named_parameters()}  # to allocate them again
         self._finished_count = 0
         self._pending: list[GenerationResult] = []  # decided without a model step (e.g. added complete)
         self._rate: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW_STEPS)
@@ -95,6 +109,9 @@ class NativeEngine(Engine):
         if value != self._version:
             self.blocks.reset_prefix_cache()  # new weights: cached prefixes are stale
         self._version = value
+        if self._weights is WeightState.RELEASED:  # a version stamp without a load: still nothing to serve
+            return
+        self._weights = WeightState.LOADED
         self.model.repack()  # setting the version is how a weight writer says it is done
 
     # ------------------------------------------------------------ requests
@@ -138,6 +155,7 @@ class NativeEngine(Engine):
     def step(self) -> list[GenerationResult]:
         if self._sleep_level:
             raise RuntimeError("engine is asleep: call wake() before step()")
+        self._check_weights("generate")
         results, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         sampled: dict[int, tuple[int, float]] = {}
@@ -164,6 +182,7 @@ class NativeEngine(Engine):
         the model runner in free KV blocks, every output position's logits kept."""
         if self._sleep_level:
             raise RuntimeError("engine is asleep: call wake() before score()")
+        self._check_weights("score")
         tokens = [*prompt_ids, *output_ids]
         blocks = self.blocks.allocate(self.blocks.blocks_for(len(tokens)))
         try:
@@ -209,30 +228,75 @@ class NativeEngine(Engine):
 
     # ------------------------------------------------------------ weights and memory
     def named_weights(self) -> Mapping[str, torch.Tensor]:
+        if self._weights is WeightState.RELEASED:
+            raise RuntimeError(
+                "native engine: its weights were released at sleep level 2 and only a load of every weight "
+                "brings them back (full_load_targets(), or load_weights with all of them); a partial write such "
+                "as a LoRA merge needs engine.weights_cpu_backup")
+        return self.model.hf_weights()
+
+    def full_load_targets(self) -> Mapping[str, torch.Tensor]:
+        """Released weights get their memory back here, unwritten: the caller writes every one of them
+        and then sets `version`, which makes them servable again."""
+        if self._weights is WeightState.RELEASED:
+            _allocate_parameters(self.model, self._shapes)
+            self._weights = WeightState.LOADING
         return self.model.hf_weights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_hf_weights(named_tensors, strict=False)
+        if self._weights is WeightState.RELEASED:  # only all of them at once bring them back
+            _allocate_parameters(self.model, self._shapes)
+            self._weights = WeightState.LOADING
+            try:
+                self.model.load_hf_weights(named_tensors, strict=True)
+            except Exception:
+                self._release()
+                raise
+            self._weights = WeightState.LOADED
+        else:
+            self.model.load_hf_weights(named_tensors, strict=False)
         self.blocks.reset_prefix_cache()
+
+    @property
+    def weights_released(self) -> bool:
+        """Asleep at level 2 without a backup, before the full load that brings the weights back."""
+        return self._weights is not WeightState.LOADED
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool and the packed copies of the weight matrices (on CPU a second full copy
         of them: the training phase gets that memory). Whatever packs them next (the version set
-        after a sync, or the first step after `wake`) packs them again."""
+        after a sync, or the first step after `wake`) packs them again. Level 2 also releases the
+        weights (module docstring), or with a backup moves them to host memory."""
         self.scheduler.drop_all_kv()
         self.runner.free_kv()
         self.model.linears.clear()
-        if level >= 2 and self.device.type != "cpu":
+        if level >= 2 and not self._keeps_weights_asleep:
+            self._release()
+        elif level >= 2 and self.device.type != "cpu":
             _move_parameters(self.model, torch.device("cpu"))
         self._sleep_level = max(self._sleep_level, level)
 
     def wake(self) -> None:
         if not self._sleep_level:
             return
-        if self._sleep_level >= 2 and self.device.type != "cpu":
+        self._check_weights("wake")
+        if self._sleep_level >= 2 and self._keeps_weights_asleep and self.device.type != "cpu":
             _move_parameters(self.model, self.device)
         self.runner.allocate_kv()
         self._sleep_level = 0
+
+    def _release(self) -> None:
+        for param in self.model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._weights = WeightState.RELEASED
+
+    def _check_weights(self, action: str) -> None:
+        if self._weights is not WeightState.LOADED:
+            raise RuntimeError(
+                f"native engine: cannot {action}: its weights were released at sleep level 2 and no full load "
+                "(a weight sync of every weight) has brought them back yet")
 
     def stats(self) -> EngineStats:
         tokens = sum(n for n, _ in self._rate)
@@ -271,6 +335,12 @@ def _build_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return model
+
+
+def _allocate_parameters(model: CausalLM, shapes: Mapping[str, torch.Size]) -> None:
+    """Fresh, unwritten storage of each parameter's full shape (after `NativeEngine._release`)."""
+    for name, param in model.named_parameters():
+        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
 
 
 def _move_parameters(model: CausalLM, device: torch.device) -> None:

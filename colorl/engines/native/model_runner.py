@@ -14,6 +14,7 @@ offset by what is already cached.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 
 import torch
@@ -66,6 +67,19 @@ def _host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in a mapping of its own, given back to the OS when it is freed.
+
+    colorl's CPU ranks keep their heap (colorl/launch.py), so the pool, sized for the worst case but
+    touched a few blocks at a time, would take the heap's top at every wake: the pages it touched
+    there stay resident after `sleep` and the training phase's tensors land beside them, a little
+    higher each step. Mapped apart, the pages it touched go back at `sleep` and the heap never sees it.
+    """
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # holds the mapping until freed
+
+
 def bucket_by_length(lengths: list[int], group_cost: int = GROUP_COST_SLOTS) -> list[int]:
     """Split ascending `lengths` into contiguous buckets minimising sum(group_cost + n * max).
 
@@ -101,7 +115,10 @@ class ModelRunner:
     def allocate_kv(self) -> None:
         spec = self.model.spec
         shape = (spec.num_layers, self.num_blocks * self.block_size, 2, spec.num_kv_heads, spec.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = mapped_empty(shape, self.dtype)
+        else:
+            self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         # Padding positions read slot 0 (masked out); keep it finite before any block-0 write.
         self.kv_cache[:, 0].zero_()
 
