@@ -22,16 +22,20 @@ def _source(forced_by: str | None, verdict: dict | None) -> str:
 
 
 def _rows_text(rows: frozenset[int]) -> str:
-    """Row counts as runs: "1-8,12-32"."""
+    """Row counts as runs: "1-8,12-32", and "33+" for every count above MAX_PANEL_ROWS (raced at PREFILL_ROWS)."""
+    from colorl.engines.native.cpu_decode import MAX_PANEL_ROWS, PREFILL_ROWS
+
     if not rows:
         return "none"
+    above = f",{MAX_PANEL_ROWS + 1}+" if {MAX_PANEL_ROWS, PREFILL_ROWS} <= rows else ""
+    rows = frozenset(r for r in rows if r <= MAX_PANEL_ROWS)
     runs: list[list[int]] = []
     for count in sorted(rows):
         if runs and count == runs[-1][1] + 1:
             runs[-1][1] = count
         else:
             runs.append([count, count])
-    return ",".join(f"{a}-{b}" if b > a + 1 else (f"{a},{b}" if b > a else str(a)) for a, b in runs)
+    return ",".join(f"{a}-{b}" if b > a + 1 else (f"{a},{b}" if b > a else str(a)) for a, b in runs) + above
 
 
 def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
