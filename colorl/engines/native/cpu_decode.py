@@ -56,15 +56,15 @@ def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, tor
     panels = panels or {}
     for name, packed in panels.items():
         check_tensors(dtype, **{name: packed})
-        if packed.numel() != panel_elements(tensors[name]):
+        if packed.numel() != panel_elements(*tensors[name].shape):
             raise ValueError(f"compiled decode_layer: {name}'s panels do not match its matrix")
     return DecodeLayer(**{name: _ptr(tensor) for name, tensor in tensors.items()}, cache=cache.data_ptr(),
                        **{"p" + name[1:]: _ptr(packed) for name, packed in panels.items()})
 
 
-def panel_elements(weight: torch.Tensor) -> int:
-    """The size of a [N, K] matrix's panels: N rounded up to whole panels, times K."""
-    return -(-weight.shape[0] // PANEL) * PANEL * weight.shape[1]
+def panel_elements(n_out: int, n_in: int) -> int:
+    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole panels, times n_in."""
+    return -(-n_out // PANEL) * PANEL * n_in
 
 
 class DecodeStep(ctypes.Structure):
@@ -215,7 +215,7 @@ class CpuDecode:
         """`weight` [N, K] in the panels `panel_linear` reads (cpu_decode_loops.h): a copy, made once per
         weight version."""
         check_tensors(weight.dtype, weight=weight)
-        panels = torch.empty(panel_elements(weight), dtype=weight.dtype)
+        panels = torch.empty(panel_elements(*weight.shape), dtype=weight.dtype)
         self._functions["colorl_pack_panels", weight.dtype](_ptr(weight), _ptr(panels), weight.shape[0],
                                                              weight.shape[1], torch.get_num_threads())
         return panels
@@ -227,7 +227,7 @@ class CpuDecode:
         the arithmetic-bound products of a decode step over more than MAX_ROWS sequences."""
         rows, n_in = x.shape
         check_tensors(x.dtype, x=x, panels=panels, bias=bias)
-        if panels.numel() != -(-n_out // PANEL) * PANEL * n_in or (bias is not None and bias.shape != (n_out,)):
+        if panels.numel() != panel_elements(n_out, n_in) or (bias is not None and bias.shape != (n_out,)):
             raise ValueError(f"compiled panel_linear: x {tuple(x.shape)}, the panels and the bias do not agree")
         out = torch.empty(rows, n_out, dtype=x.dtype)
         _raise_for(self._functions["colorl_panels", x.dtype](_ptr(x), _ptr(panels), _ptr(bias), _ptr(out), rows,
