@@ -17,6 +17,7 @@ from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
 from colorl.engines.native.model import AttentionGroup, _rotate, paged_attention
+from colorl.kernels import onednn_chosen
 
 # where the loops must build: Linux on x86 with GCC (CI's machines); elsewhere a missing build skips, with its reason
 EXPECTS_LOOPS = (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -395,13 +396,14 @@ def test_panel_row_counts_between_the_raced_ones_follow_both_neighbours():
 
 def test_an_engine_whose_loops_take_every_row_count_makes_no_onednn_copies(compiled, tiny_model_dir, monkeypatch):
     """Prefill through the panels too (where they won PREFILL_ROWS): oneDNN's packed copies, a second full copy
-    of the weights, are never made; where some count goes to oneDNN they are, at each weight version."""
-    for won, packed in ((frozenset({*range(1, 33), 256}), False), (frozenset(range(1, 33)), True)):
+    of the weights, are never made; where some count goes to oneDNN they are, at each weight version — and never
+    where oneDNN is off (COLORL_ONEDNN=0, or not in this torch), whichever counts the loops take."""
+    for won, loops_take_prefill in ((frozenset({*range(1, 33), 256}), True), (frozenset(range(1, 33)), False)):
         monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype, won=won: won)
         eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4))
         eng.generate([GenerationRequest("a", list(range(10, 50)), SamplingParams(max_new_tokens=3, ignore_eos=True))])
-        assert bool(eng.model.linears.packed._packed) == packed
-        assert compiled.takes(40, torch.float32) == (not packed)
+        assert compiled.takes(40, torch.float32) == loops_take_prefill
+        assert bool(eng.model.linears.packed._packed) == (onednn_chosen(torch.float32) and not loops_take_prefill)
 
 
 def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch):
