@@ -114,6 +114,13 @@ def _dry_run(cfg, run_dir: Path, args, spot) -> int:
     note = engine_check_note(cfg)
     if note:
         print(f"# {note}")
+    if here:  # what `auto` becomes on this machine, at the ranks' thread count
+        from colorl.launch import rank_threads
+        from colorl.precision import choose
+        from colorl.threads import pinned
+
+        with pinned(rank_threads(cfg.launch.nproc)):
+            print(f"# {choose(cfg, device).line(cfg.model.dtype)}")
     return 0
 
 

@@ -118,8 +118,9 @@ class TrainConfig(Section):
     # recompute each decoder layer's activations in backward instead of keeping them
     activation_checkpointing: bool = False
     # compute dtype of forward/backward (FSDP2 mixed precision); weights, optimizer state and
-    # gradient reduction stay in model.dtype. null: compute in model.dtype
-    mixed_precision: Optional[Literal["bfloat16", "float16"]] = None
+    # gradient reduction stay in model.dtype. null: compute in model.dtype; auto: bf16 where this
+    # machine's race says it is faster (colorl/precision.py), else model.dtype
+    mixed_precision: Optional[Literal["auto", "bfloat16", "float16"]] = "auto"
 
 
 class LossConfig(Section):
@@ -164,7 +165,8 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
     sleep_level: Optional[Literal[1, 2]] = None  # null: Config.sleep_level chooses
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # served dtype; null: model.dtype
+    # served dtype; null: model.dtype; auto: bf16 where train.mixed_precision's auto picks it
+    dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"
     weights_cpu_backup: bool = False  # a host copy of the weights while asleep at level 2 (LoRA turns it on)
     in_flight_updates: bool = False  # set from `mode`: weights change while requests run (bounded-lag)
 

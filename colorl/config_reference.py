@@ -125,7 +125,8 @@ NOTES: dict[str, str] = {
     "model.architecture": "A Hugging Face `config.json` (path) for `colorl plan` when `model.path` is not on this "
                           "machine: a config written for a GPU box plans anywhere, offline. The shipped GPU "
                           "examples point at `configs/models/`.",
-    "engine.dtype": "The dtype the engine serves; null: `model.dtype`. On GPUs serve `bfloat16` with `model.dtype: "
+    "engine.dtype": "The dtype the engine serves; null: `model.dtype`; `auto` (default): `bfloat16` where "
+                    "`train.mixed_precision`'s auto picks bf16 compute, else `model.dtype`. On GPUs serve `bfloat16` with `model.dtype: "
                     "float32` master weights (SGLang's fa3 and flashinfer attention take fp16/bf16 only): the "
                     "trainer keeps fp32 weights and optimizer, the checkpoint engine casts each tensor as it unpacks "
                     "a bucket, and the check after a sync compares with the trainer's weights cast the same way.",
@@ -138,7 +139,11 @@ NOTES: dict[str, str] = {
                                     "saved as the newest checkpoint first.",
     "train.mixed_precision": "Compute dtype of forward/backward (FSDP2 mixed precision); weights, "
                              "optimizer state and gradient reduction stay in `model.dtype`. null: "
-                             "compute in `model.dtype`.",
+                             "compute in `model.dtype`. `auto` (default): `bfloat16` where the weights are "
+                             "float32, the ranks run on a CPU with bf16 matrix products (AVX512-BF16, AMX) and "
+                             "this machine's race ran a training layer clearly faster in bf16, else `model.dtype` "
+                             "(on CUDA too: set `bfloat16` there). `colorl train` prints the choice and why; "
+                             "`COLORL_BF16=1`/`=0` forces it (docs/cpu.md, \"bf16 on a CPU\").",
     "loss.clip_low": "ε_low: the ratio is clipped below at 1 − ε_low.",
     "loss.clip_high": "ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher).",
     "loss.tis_cap": "C of truncated importance sampling: w = min(π_prox/μ, C).",

@@ -54,6 +54,7 @@ from typing import Callable
 
 import torch
 
+from colorl import precision
 from colorl.engines.vllm import CPU_KV_BYTES_PER_BLOCK as VLLM_CPU_KV_BYTES_PER_BLOCK
 from colorl.engines.vllm import CPU_KV_DEFAULT_BYTES as VLLM_CPU_KV_DEFAULT_BYTES
 from colorl.exits import fail
@@ -216,7 +217,9 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     """The arithmetic of the module docstring for one config; no advice (see `plan_with_advice`)."""
     world = cfg.launch.nproc
     w = DTYPE_BYTES[cfg.model.dtype]
-    b = DTYPE_BYTES[cfg.train.mixed_precision] if cfg.train.mixed_precision else w
+    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
+    chosen = precision.choose(cfg, "cpu" if on_cpu else "cuda")
+    b = DTYPE_BYTES[chosen.compute] if chosen.compute else w
     lora = cfg.model.lora is not None
     trainable = arch.lora_params if lora else arch.params
     a = 4 if lora else w  # peft keeps adapters in float32 over a 16-bit base
@@ -225,9 +228,8 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     per_rank_concurrency = min(cfg.engine.max_num_seqs, -(-cfg.rollout.concurrency // world))
     weights = -(-(arch.params * w + arch.lora_params * 4) // world)
     reference = weights if cfg.loss.kl_coef > 0 and not lora else 0
-    e = DTYPE_BYTES[cfg.engine.dtype or cfg.model.dtype]  # what the engine serves (and keeps W0 in)
+    e = DTYPE_BYTES[chosen.served or cfg.model.dtype]  # what the engine serves (and keeps W0 in)
     engine_weights = arch.params * e
-    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
     if cfg.engine.num_blocks and cfg.rollout.engine == "native":
         kv = cfg.engine.num_blocks * cfg.engine.block_size * arch.kv_bytes_per_token(e)
         kv_note = f"engine.num_blocks={cfg.engine.num_blocks}"

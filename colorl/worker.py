@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colorl import distributed, faults
+from colorl import distributed, faults, precision
 from colorl.config import Config, dump_config
 from colorl.engines import build_engine, engine_class
 from colorl.engines.base import Engine
@@ -285,7 +285,7 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
     engine_cfg = cfg.engine.model_copy(update={"max_num_seqs": min(cfg.engine.max_num_seqs, per_rank_concurrency),
                                                "weights_cpu_backup": backup,
                                                "in_flight_updates": cfg.mode == "bounded_lag"})
-    engine_dtype = DTYPES[cfg.engine.dtype or cfg.model.dtype]  # the checkpoint engine casts to it
+    engine_dtype = precision.served_dtype(cfg, device)  # the checkpoint engine casts to it
     threads = torch.get_num_threads()
     if cfg.mode == "bounded_lag" and engine_cls.keeps_build_threads:
         threads = CoreShare.of_rank(cfg.launch, threads).rollout  # it keeps the rollout loop's share
@@ -303,6 +303,8 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
         state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
     stop_ids = tuple(sorted(eos_token_ids(model_dir, tokenizer=tokenizer)))
     metrics = MetricsWriter.for_run(run_dir, cfg) if rank == 0 else None
+    if rank == 0:
+        print(precision.choose(cfg, device).line(cfg.model.dtype), flush=True)
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
                       enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None,

@@ -38,10 +38,13 @@ def _train_in_process(rank, world, cfg_dict, run_dir, out_file):
     unchanged = [n for n in before if params[n].requires_grad and torch.equal(before[n], after[n])]
     frozen_changed = [n for n in before if not params[n].requires_grad and not torch.equal(before[n], after[n])]
     # with LoRA the engine holds merged weights under other names (checked in tests/sync); else bit-equal
-    mismatched = [] if cfg.model.lora else [n for n in after if not torch.equal(engine[n], after[n])]
+    # (cast to the served dtype: a no-op where the engine serves the trainer's float32)
+    mismatched = [] if cfg.model.lora else [n for n in after if not torch.equal(engine[n], after[n].to(engine[n].dtype))]
     if rank == 0:
         Path(out_file).write_text(json.dumps({"unchanged": unchanged, "mismatched": mismatched,
                                               "frozen_changed": frozen_changed,
+                                              "compute_dtype": str(ctx.trainer.compute_dtype),
+                                              "served_dtypes": sorted({str(t.dtype) for t in engine.values()}),
                                               "engine_version": ctx.engine.version,
                                               "state_version": ctx.state.version}))
 
@@ -70,6 +73,21 @@ def test_three_steps_change_every_weight_and_sync_the_engine(tmp_path, monkeypat
         assert lines[0]["kl_ref"] < 1e-6 < lines[-1]["kl_ref"]
     else:
         assert all(r["kl_ref"] == 0 for r in lines)
+
+
+def test_auto_precision_where_bf16_wins_computes_and_serves_bf16(tmp_path, monkeypatch, capfd):
+    """What `auto` does on a CPU with bf16 products whose race bf16 won (forced here: every CPU runs it): the
+    trainer computes in bf16 over float32 weights, the engine serves them cast to bf16, the screen says so."""
+    monkeypatch.syspath_prepend(HELPERS)
+    monkeypatch.setenv("COLORL_BF16", "1")
+    cfg = load_config("configs/tiny.yaml", tiny_overrides(["launch.nproc=1", "run.steps=3"]))
+    assert (cfg.train.mixed_precision, cfg.engine.dtype) == ("auto", "auto")
+    out = tmp_path / "out.json"
+    run_world(_train_in_process, 1, cfg.model_dump(mode="json"), str(tmp_path / "run"), str(out))
+    report = json.loads(out.read_text())
+    assert report["compute_dtype"] == "torch.bfloat16" and report["served_dtypes"] == ["torch.bfloat16"]
+    assert report["unchanged"] == [] and report["mismatched"] == []
+    assert "precision: compute bfloat16, serving bfloat16 (auto: forced by COLORL_BF16=1)" in capfd.readouterr().out
 
 
 def _cli(argv) -> int:

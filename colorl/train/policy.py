@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colorl import precision
 from colorl.kernels import use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention
@@ -52,7 +53,7 @@ class PolicyTrainer:
     def __init__(self, model_dir: Path, cfg, device: str, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
         self.device = device
-        self.compute_dtype = getattr(torch, cfg.train.mixed_precision) if cfg.train.mixed_precision else None
+        self.compute_dtype = precision.compute_dtype(cfg, device)
         self.attention = packed_attention(device, self.compute_dtype or dtype)  # what runs the packed rows
         model = self._load(model_dir, dtype)
         if cfg.model.lora is not None:

@@ -86,6 +86,23 @@ def test_dry_run_warns_like_the_launch_for_bf16_on_a_cpu_without_bf16_products(t
     assert ("no bf16 matrix products" in out.stderr) == (torch.bfloat16 not in onednn_dtypes())
 
 
+def test_dry_run_says_what_precision_auto_becomes_here(tmp_path):
+    """On a CPU without bf16 products (oneDNN held to AVX2, so on every x86 CPU) auto keeps float32 without racing
+    and says why; forced, it says so."""
+    from colorl.kernels import onednn_available
+
+    if not onednn_available():
+        pytest.skip("no oneDNN here: auto keeps float32 for another reason (tested in tests/test_precision.py)")
+    cmd = [sys.executable, "-m", "colorl", "train", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    base = {k: v for k, v in os.environ.items() if k != "COLORL_BF16"}
+    for env, line in (({"ONEDNN_MAX_CPU_ISA": "AVX2", "COLORL_ONEDNN": "1"},
+                       "# precision: compute float32, serving float32 (auto: this CPU has no bf16 matrix products "),
+                      ({"COLORL_BF16": "1"}, "# precision: compute bfloat16, serving bfloat16 (auto: forced by COLORL_BF16=1)")):
+        out = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert [l for l in out.stdout.splitlines() if l.startswith("# precision")][0].startswith(line), out.stdout
+
+
 @pytest.mark.parametrize("sets, keys", [(["rollout.top_p=0.9"], "rollout.top_p=0.9"),
                                         (["rollout.top_k=50", "rollout.top_p=0.95"], "rollout.top_p=0.95, rollout.top_k=50"),
                                         ([], None)])

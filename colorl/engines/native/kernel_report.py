@@ -43,7 +43,7 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     decided yet (as the first run here would)."""
     import os
 
-    from colorl import kernels
+    from colorl import kernels, precision
     from colorl.engines.native import cpu_decode
     from colorl.machine import cpu_summary
     from colorl.verdicts import kept_verdict
@@ -80,6 +80,9 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                 else:
                     text += "; decode attention: torch SDPA"
                 lines.append(text)
+            bf16, why = precision.auto_bf16()
+            lines.append(f"{threads} thread{'s' if threads > 1 else ''}, training and serving float32 weights "
+                         f"(precision auto): {'bf16' if bf16 else 'fp32'} ({why})")
     finally:
         torch.set_num_threads(threads_now)
     return lines

@@ -1,0 +1,96 @@
+"""What `train.mixed_precision: auto` / `engine.dtype: auto` become: explicit settings kept, bf16 only on a CPU
+with bf16 products whose race it wins, the race kept per machine; the same on every CPU (the CPU's own answers
+are stood in for where they decide)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colorl import kernels, precision, verdicts
+from colorl.config import load_config
+
+
+def config(*sets):
+    return load_config("configs/tiny.yaml", list(sets))
+
+
+@pytest.fixture
+def raced(monkeypatch, tmp_path):
+    """No forced verdict, a fresh verdict cache, and a CPU that runs bf16 products; the race's answer is set
+    by the test (`raced.answer`) and each race counted."""
+    monkeypatch.delenv("COLORL_BF16", raising=False)
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(verdicts, "_run_record", None)
+    monkeypatch.setattr(kernels, "onednn_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype: True)
+    monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
+
+    class Race:
+        answer = {"won": ["bfloat16"], "busy": False, "seconds": {"bfloat16": [[1.0, 1.8], [1.1, 1.9]]}}
+        count = 0
+
+        def __call__(self):
+            self.count += 1
+            return dict(self.answer)
+
+    race = Race()
+    monkeypatch.setattr(precision, "race_bf16_layer", race)
+    return race
+
+
+def test_the_defaults_are_auto_and_explicit_settings_are_kept(monkeypatch):
+    cfg = config()
+    assert (cfg.train.mixed_precision, cfg.engine.dtype) == ("auto", "auto")
+    monkeypatch.setenv("COLORL_BF16", "1")
+    assert precision.choose(config("train.mixed_precision=null"), "cpu") == precision.Precision(None, None, "as configured")
+    # bf16 compute set by hand: the engine keeps serving the fp32 weights unless engine.dtype says otherwise
+    assert precision.choose(config("train.mixed_precision=bfloat16"), "cpu").served is None
+    assert precision.choose(config("train.mixed_precision=bfloat16", "engine.dtype=bfloat16"), "cpu").served == "bfloat16"
+    # compute left to colorl, serving set: the served dtype stays as set
+    assert precision.choose(config("engine.dtype=float32"), "cpu") == precision.Precision(
+        "bfloat16", "float32", "auto: forced by COLORL_BF16=1")
+
+
+def test_forced_and_the_cases_that_never_race(monkeypatch, raced):
+    monkeypatch.setenv("COLORL_BF16", "1")
+    assert precision.compute_dtype(config(), "cpu") is torch.bfloat16
+    assert precision.served_dtype(config(), "cpu") is torch.bfloat16
+    monkeypatch.setenv("COLORL_BF16", "0")
+    assert precision.compute_dtype(config(), "cpu") is None and precision.served_dtype(config(), "cpu") is torch.float32
+    monkeypatch.delenv("COLORL_BF16")
+    bf16_weights = precision.choose(config("model.dtype=bfloat16"), "cpu")
+    assert (bf16_weights.compute, bf16_weights.served) == (None, None) and "model.dtype=bfloat16" in bf16_weights.why
+    on_cuda = precision.choose(config(), "cuda")
+    assert (on_cuda.compute, on_cuda.served) == (None, None) and "CUDA" in on_cuda.why
+    monkeypatch.setattr(kernels, "onednn_dtypes", lambda: frozenset({torch.float32}))
+    no_bf16 = precision.choose(config(), "cpu")
+    assert no_bf16.compute is None and "no bf16 matrix products" in no_bf16.why
+    assert raced.count == 0
+
+
+def test_the_race_decides_once_per_machine_and_thread_count(raced):
+    won = precision.choose(config(), "cpu")
+    assert (won.compute, won.served) == ("bfloat16", "bfloat16")
+    assert "1.80x float32" in won.why  # the best float32 pass over the best bf16 pass
+    assert raced.count == 1
+    precision.choose(config(), "cpu")
+    assert raced.count == 1  # kept in the machine's kernels.json
+    assert precision.verdict_name(torch.get_num_threads()) in str(verdicts.read_verdicts(verdicts.verdicts_path()))
+
+
+@pytest.mark.parametrize("answer, why", [
+    ({"won": [], "busy": False, "seconds": {"bfloat16": [[1.0, 1.02], [1.0, 1.01]]}}, "not clearly faster"),
+    ({"won": [], "busy": True, "seconds": {"bfloat16": [[1.0, 3.0]]}}, "busy machine"),
+])
+def test_a_lost_or_busy_race_keeps_float32(raced, answer, why):
+    raced.answer = answer
+    chosen = precision.choose(config(), "cpu")
+    assert (chosen.compute, chosen.served) == (None, None) and why in chosen.why
+    assert chosen.line("float32").startswith("precision: compute float32, serving float32 (auto: ")
+
+
+def test_the_real_race_times_a_training_layer_both_ways():
+    verdict = precision.race_bf16_layer()
+    assert set(verdict["seconds"]) == {"bfloat16"}
+    assert all(len(each) == 2 and min(each) > 0 for each in verdict["seconds"]["bfloat16"])
+    assert set(verdict["won"]) <= {"bfloat16"}
