@@ -303,8 +303,6 @@ def build_context(cfg: Config, rank: int, world: int, device: str, run_dir: Path
         state = load_checkpoint(run_dir, step, trainer.model, trainer.optimizer)
     stop_ids = tuple(sorted(eos_token_ids(model_dir, tokenizer=tokenizer)))
     metrics = MetricsWriter.for_run(run_dir, cfg) if rank == 0 else None
-    if rank == 0:
-        print(precision.choose(cfg, device).line(cfg.model.dtype), flush=True)
     ranks = f"{world} rank{'s' if world > 1 else ''} × {device}"
     display = Display(cfg.run.steps, state.step, f"{cfg.run.name} · {cfg.mode} · {cfg.rollout.engine} · {ranks}",
                       enabled=rank == 0, eta=cfg.staleness.max if cfg.mode == "bounded_lag" else None,
@@ -331,6 +329,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict, run_dir: str, resume: bool, 
     cfg = validate(cfg_dict)
     stop = StopRequest()
     ctx = build_context(cfg, rank, world, device, Path(run_dir), resume)
+    ctx.display.message(precision.choose(cfg, ctx.device).line(cfg.model.dtype))  # what `auto` became, and why
     try:
         MODES[cfg.mode](ctx, stop)
     finally:

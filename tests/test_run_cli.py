@@ -24,12 +24,13 @@ def _train(run: Path, *extra: str) -> int:
     return main(argv + list(extra))
 
 
-def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capsys):
+def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capfd):
     monkeypatch.syspath_prepend(HELPERS)
     run = tmp_path / "run"
     assert _train(run, "--set", "run.steps=2") == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "held-out accuracy (greedy, 4 prompts never trained on): " in out and "before → " in out
+    assert "precision: compute float32, serving float32 (auto: forced by COLORL_BF16=0)" in out  # what auto became
     assert "wall time " in out
     disk = next(line for line in out.splitlines() if line.startswith("disk: "))  # where the space went
     assert "step_2 " in disk and "optimizer state)" in disk and "step_1 " in disk and "(weights only)" in disk
@@ -43,17 +44,17 @@ def test_summary_plot_and_resume_rules(tmp_path, monkeypatch, capsys):
     assert written == ["length.png", "policy.png", "reward.png", "time.png"]  # colocated: no staleness chart
     assert all((tmp_path / "png" / name).read_bytes()[:4] == b"\x89PNG" for name in written)
     assert main(["plot", str(tmp_path / "nothing")]) == 2
-    assert "no such run directory" in capsys.readouterr().err
+    assert "no such run directory" in capfd.readouterr().err
 
     # a change that alters the data stream is refused, with the list of differences
     assert _train(run, "--set", "run.steps=3", "--set", "run.seed=5", "--set", "rollout.group_size=3",
                   "--resume") == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run.seed: 0 -> 5" in err[0] and "rollout.group_size: 4 -> 3" in err[0]
     assert "--force" in err[0]
     # other changes are listed as warnings and the run resumes, saying from where at once
     assert _train(run, "--set", "run.steps=3", "--set", "train.lr=0.001", "--resume") == 0
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()
     assert "warning: --resume with a changed key: train.lr: 0.0001 -> 0.001" in captured.err
     assert captured.out.startswith(f"resuming from step 2 of 3: loading {run / 'checkpoints' / 'step_2'}")
 
