@@ -149,8 +149,26 @@ def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype and onednn_chosen(weight.dtype))
 
 
+@functools.cache
+def bf16_widened() -> bool:
+    """bf16 products run here as float32 products over the same bf16 values, rounded back to bf16 once: an x86
+    CPU without bf16 instructions (AVX2-only) has only torch's generic bf16 kernels, 7x slower than its float32
+    ones on a Zen 3 (bench/README.md), and a bf16 matrix unit computes the same thing (bf16 inputs, float32
+    sums, one rounding of the result): the same numbers, at the float32 rate."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_widened()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in].T (+ bias), no autograd: oneDNN on CPU, F.linear elsewhere."""
+    """x [..., in] @ weight [out, in].T (+ bias), no autograd: oneDNN on CPU, F.linear elsewhere; bf16 on a
+    CPU without bf16 instructions as float32 products (`bf16_widened`)."""
+    if _widens(x, weight):
+        wide_bias = None if bias is None else bias.float()
+        return linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
     if not _runs_on_onednn(x, weight):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
@@ -181,7 +199,7 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _runs_on_onednn(x, self.weight):
+    if _runs_on_onednn(x, self.weight) or _widens(x, self.weight):
         return OneDNNLinear.apply(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
@@ -191,9 +209,9 @@ def use_onednn_linears(model: torch.nn.Module, device: str | torch.device) -> in
     `device` (inputs of other dtypes still take F.linear).
 
     Per instance, before FSDP wraps the model: its hooks run around `forward` as before. Returns
-    how many modules were switched (0 without oneDNN or off the CPU).
+    how many modules were switched (0 off the CPU, or without oneDNN where bf16 is not widened).
     """
-    if not onednn_enabled() or torch.device(device).type != "cpu":
+    if not (onednn_enabled() or bf16_widened()) or torch.device(device).type != "cpu":
         return 0
     switched = 0
     for module in model.modules():
@@ -213,7 +231,7 @@ class PackedLinears:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
         if not (self.enabled and _runs_on_onednn(x, weight)):
-            return F.linear(x, weight, bias)
+            return linear(x, weight, bias)
         return linear(x, self._lookup(weight), bias)
 
     def clear(self) -> None:

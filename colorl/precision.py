@@ -1,8 +1,8 @@
 """The dtype a run computes and serves in where its config leaves that to colorl.
 
 `train.mixed_precision: auto` and `engine.dtype: auto` (the defaults) become bf16 compute and bf16 serving over
-float32 master weights and optimizer state — the usual set-up on GPUs, 1.35-1.86x the float32 step on CPUs with
-bf16 matrix units (bench/README.md) — only where all of these hold:
+float32 master weights and optimizer state — the usual set-up on GPUs; issue 31 measured 1.35x the float32 step
+on an AMX Xeon — only where all of these hold:
 
 - the model's weights are float32 (bf16 or fp16 weights already compute in their own dtype);
 - the ranks run on a CPU whose oneDNN runs bf16 products (AVX512-BF16, AMX, AVX-NE-CONVERT;

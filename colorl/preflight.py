@@ -177,13 +177,14 @@ def cpu_bf16_note(cfg, device: str) -> str | None:
         return None
     import torch
 
-    from colorl.kernels import onednn_available, onednn_dtypes
+    from colorl.kernels import bf16_widened, onednn_available, onednn_dtypes
 
     if not onednn_available() or torch.bfloat16 in onednn_dtypes():
         return None
     key = "model.dtype" if cfg.model.dtype == "bfloat16" else "train.mixed_precision"
+    how = ("colorl runs bf16 products as float32 products over the bf16 values, no faster than float32"
+           if bf16_widened() else "bf16 runs on torch's generic kernels, several times slower than float32")
     return (f"{key}=bfloat16: this CPU has no bf16 matrix products (they need AVX-512 BF16, AMX or "
-            f"AVX-NE-CONVERT), so bf16 runs on torch's generic kernels, several times slower than "
-            f"float32 here; for speed use float32 (unset {key})")
+            f"AVX-NE-CONVERT), so {how} here; for speed use float32 (unset {key})")
 
 

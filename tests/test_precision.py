@@ -3,6 +3,8 @@ with bf16 products whose race it wins, the race kept per machine; the same on ev
 are stood in for where they decide)."""
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -94,3 +96,30 @@ def test_the_real_race_times_a_training_layer_both_ways():
     assert set(verdict["seconds"]) == {"bfloat16"}
     assert all(len(each) == 2 and min(each) > 0 for each in verdict["seconds"]["bfloat16"])
     assert set(verdict["won"]) <= {"bfloat16"}
+
+
+def test_bf16_products_widened_where_the_cpu_has_no_bf16_instructions(monkeypatch):
+    """Without bf16 instructions colorl runs a bf16 product as the float32 product of the same bf16 values, rounded
+    once (what a bf16 matrix unit computes): forward, both gradients and the engine's products agree with torch's
+    own bf16 kernels to a bf16 rounding; the answer here follows the CPU's own (torch's) bf16 check."""
+    from colorl.kernels import OneDNNLinear, PackedLinears, linear
+
+    assert kernels.bf16_widened() == (platform.machine().lower() in ("x86_64", "amd64")
+                                      and torch.backends.mkldnn.is_available()
+                                      and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    monkeypatch.setattr(kernels, "bf16_widened", lambda: True)  # every CPU takes the widened path here
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((37, 96), (80, 96), (80,)))
+    widened = linear(x, weight, bias)
+    assert widened.dtype == torch.bfloat16
+    assert torch.equal(widened, linear(x.float(), weight.float(), bias.float()).bfloat16())
+    one_rounding = lambda a, b: (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
+    assert one_rounding(widened, torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(PackedLinears(enabled=True).linear(x, weight, bias), widened)
+    grads = []
+    for product in (lambda a, w: OneDNNLinear.apply(a, w, None), lambda a, w: torch.nn.functional.linear(a, w)):
+        a, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        product(a, w).float().square().sum().backward()
+        grads.append((a.grad, w.grad))
+    assert all(g.dtype == torch.bfloat16 for g in grads[0])
+    assert one_rounding(grads[0][0], grads[1][0]) and one_rounding(grads[0][1], grads[1][1])
