@@ -6,7 +6,8 @@ on an AMX Xeon — only where all of these hold:
 
 - the model's weights are float32 (bf16 or fp16 weights already compute in their own dtype);
 - the ranks run on a CPU whose oneDNN runs bf16 products (AVX512-BF16, AMX, AVX-NE-CONVERT;
-  `colorl.kernels.onednn_dtypes`): elsewhere bf16 runs on torch's generic kernels, several times slower;
+  `colorl.kernels.onednn_dtypes`): elsewhere bf16 products are float32 products (`kernels.bf16_widened`) or
+  torch's generic kernels, no faster than float32;
 - this machine's race, a training layer's forward and backward at the rank's thread count, ran clearly faster
   in bf16 in every pass (colorl/verdicts.py: kept per machine and thread count, raced again after a busy or
   stale verdict, and kept in the run directory, so a resume computes in the dtype its run started in).
