@@ -78,7 +78,7 @@ def bf16_wins_here() -> tuple[bool, str]:
     if not onednn_enabled():
         return False, "oneDNN is off here (COLORL_ONEDNN=0, not x86, or not in this torch): no fast bf16 products"
     if torch.bfloat16 not in onednn_dtypes():
-        return False, "this CPU has no bf16 matrix products (AVX512-BF16, AMX or AVX-NE-CONVERT)"
+        return False, "this CPU has no bf16 matrix products: no AVX512-BF16, AMX or AVX-NE-CONVERT"
     threads = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
         onednn_chosen(dtype)  # the products the race runs are chosen before it starts

@@ -96,7 +96,7 @@ def test_dry_run_says_what_precision_auto_becomes_here(tmp_path):
     cmd = [sys.executable, "-m", "colorl", "train", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--dry-run"]
     base = {k: v for k, v in os.environ.items() if k != "COLORL_BF16"}
     for env, line in (({"ONEDNN_MAX_CPU_ISA": "AVX2", "COLORL_ONEDNN": "1"},
-                       "# precision: compute float32, serving float32 (auto: this CPU has no bf16 matrix products "),
+                       "# precision: compute float32, serving float32 (auto: this CPU has no bf16 matrix products: "),
                       ({"COLORL_BF16": "1"}, "# precision: compute bfloat16, serving bfloat16 (auto: forced by COLORL_BF16=1)")):
         out = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr

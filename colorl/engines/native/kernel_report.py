@@ -69,6 +69,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                     chosen = kernels.onednn_chosen(dtype)
                     verdict = None if forced_onednn else kept_verdict(kernels.onednn_verdict_name(dtype, threads))
                     products = f"{'oneDNN' if chosen else 'torch (MKL)'} ({_source(forced_onednn, verdict)})"
+                elif dtype == torch.bfloat16 and kernels.bf16_widened():
+                    products = "float32 over the bf16 values (no bf16 instructions here)"
                 else:
                     products = "torch"
                 text = f"{threads} thread{'s' if threads > 1 else ''}, {_short(dtype)}: products {products}"
