@@ -145,8 +145,9 @@ def onednn_chosen(dtype: torch.dtype) -> bool:
 
 
 def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Directly, in its dtype (a widened bf16 product reaches oneDNN as a float32 one, if at all)."""
     return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == weight.dtype and onednn_chosen(weight.dtype))
+            and x.dtype == weight.dtype and onednn_chosen(weight.dtype) and not _widens(x, weight))
 
 
 @functools.cache
