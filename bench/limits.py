@@ -21,10 +21,16 @@ def read_bandwidth(seconds: float = 1.0) -> float:
 
 
 def matmul_rate(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s of a large `dtype` matmul with the faster of torch's kernels (MKL's or oneDNN's `aten::mm`,
-    oneDNN over a packed weight: AMX or AVX512-BF16 for bf16 where the CPU has them): the compute ceiling."""
+    """FLOP/s of a large `dtype` matmul with the fastest of torch's kernels (MKL's or oneDNN's `aten::mm`,
+    oneDNN over a packed weight: AMX or AVX512-BF16 for bf16 where the CPU has them) and colorl's products
+    (bf16 on a CPU without bf16 instructions: float32 products over the bf16 values, `kernels.bf16_widened`,
+    where torch's generic bf16 kernels are far slower): the compute ceiling."""
+    from colorl import kernels
+
     a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    products = [lambda: a @ b]
+    products = [lambda: kernels.linear(a, b)]
+    if not (dtype == torch.bfloat16 and kernels.bf16_widened()):  # torch's generic bf16 there: minutes a product
+        products.append(lambda: a @ b)
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(b, 32)
