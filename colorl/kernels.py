@@ -156,8 +156,7 @@ def bf16_widened() -> bool:
     CPU without bf16 instructions (AVX2-only) has only torch's generic bf16 kernels, 7x slower than its float32
     ones on a Zen 3 (bench/README.md), and a bf16 matrix unit computes the same thing (bf16 inputs, float32
     sums, one rounding of the result): the same numbers, at the float32 rate."""
-    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return onednn_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:

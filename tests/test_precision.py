@@ -104,8 +104,7 @@ def test_bf16_products_widened_where_the_cpu_has_no_bf16_instructions(monkeypatc
     own bf16 kernels to a bf16 rounding; the answer here follows the CPU's own (torch's) bf16 check."""
     from colorl.kernels import OneDNNLinear, PackedLinears, linear
 
-    assert kernels.bf16_widened() == (platform.machine().lower() in ("x86_64", "amd64")
-                                      and torch.backends.mkldnn.is_available()
+    assert kernels.bf16_widened() == (kernels.onednn_available() and platform.machine().lower() in ("x86_64", "amd64")
                                       and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     monkeypatch.setattr(kernels, "bf16_widened", lambda: True)  # every CPU takes the widened path here,
     monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype: True)  # even one whose oneDNN would take bf16
