@@ -7,14 +7,19 @@ Per device (one rank, `launch.nproc` ranks), in bytes:
   layer in the compute dtype, plus one layer's gradient in float32 for the reduce-scatter;
 - activations kept for backward for one micro-batch at the longest sequence (longest prompt +
   `rollout.max_new_tokens`), per token (b = compute dtype bytes):
-      per layer  2·norm + 5b·hidden + 4b·intermediate   (attention: rotated q, GQA-expanded k
-                 and v, output, the varlen concat; MLP: gate, up, act(gate), act(gate)·up)
-      norm       8·hidden, + 2b·hidden below float32 (HF RMSNorm keeps its input and a float32
-                 normalised copy; in bf16 also the float32 cast and the cast back)
+      per layer  2·norm + 5b·hidden + mlp   (attention: rotated q, GQA-expanded k and v, output,
+                 the varlen concat)
+      norm       b·hidden + 4 (colorl's lean RMSNorm keeps its input and a float32 1/rms);
+                 8·hidden, + 2b·hidden below float32, for a norm transformers' way (its input and a
+                 float32 normalised copy; in bf16 also the float32 cast and the cast back)
+      mlp        2b·intermediate (the lean SwiGLU keeps gate and up; 3b· when LoRA wraps the down
+                 projection, which keeps the product); 4b· transformers' way (also act(gate) and
+                 act(gate)·up)
       LoRA       below float32 compute, 4·in_features per adapted module (peft casts each
                  module's input to the adapters' float32 and keeps that copy)
       once       norm + 2b·hidden + 12 (embedding output, final norm, the hidden states the head
-                 picks, three float32 per-token results)
+                 picks, three float32 per-token results), + 3b·intermediate with the lean MLP
+                 (its backward, at the top layer, holds three [T, intermediate] rows at once)
   with `train.activation_checkpointing` each layer keeps only its input (b·hidden) and backward
   recomputes one layer at a time: layers·b·hidden + one layer's part (its LoRA casts included) + once;
   plus the LM head's logits for `train.logits_chunk_tokens` rows at a time, (b + 16)·vocab each
@@ -90,13 +95,18 @@ class Architecture:
     kv_dim: int  # num_key_value_heads · head_dim
     vocab: int
     max_positions: int
+    lean_norms: bool = False  # the trainer's RMSNorms keep their input and 1/rms only (train/lean_layers.py)
+    lean_mlps: bool = False  # its SiLU-gated MLPs keep gate and up only
+    lora_down: bool = False  # LoRA wraps the down projection: it keeps the gated product as well
 
     @classmethod
     def from_hf_config(cls, hf_config, lora_targets: list[str] | None = None, lora_r: int = 0) -> "Architecture":
         from colorl.models import meta_model
         from colorl.train.fsdp import decoder_layers
+        from colorl.train.lean_layers import lean_modules
 
         model = meta_model(hf_config)
+        norms, mlps = lean_modules(model)
         lora = adapted = inputs = 0
         for name, module in model.named_modules():
             if lora_targets and isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
@@ -113,14 +123,22 @@ class Architecture:
             hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
             kv_dim=kv_heads * head_dim, vocab=hf_config.vocab_size,
             max_positions=hf_config.max_position_embeddings,
+            lean_norms=bool(norms), lean_mlps=bool(mlps), lora_down="down_proj" in (lora_targets or ()),
         )
 
     def activation_bytes_per_token(self, b: int, lora: bool = False, checkpointed: bool = False) -> int:
         """Kept for backward per token of a micro-batch, LM head's chunked logits apart.
         checkpointed: per-layer activation checkpointing (train.activation_checkpointing)."""
-        norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
+        if self.lean_norms:  # the input and a float32 1/rms per token
+            norm = b * self.hidden + 4
+        else:
+            norm = (8 + (2 * b if b < 4 else 0)) * self.hidden
+        if self.lean_mlps:  # gate and up; a LoRA-wrapped down projection keeps the product too
+            mlp = (3 if lora and self.lora_down else 2) * b * self.intermediate
+        else:
+            mlp = 4 * b * self.intermediate
         # + b * hidden: the packed (varlen) attention concatenates its per-sequence outputs
-        per_layer = 2 * norm + 5 * b * self.hidden + 4 * b * self.intermediate
+        per_layer = 2 * norm + 5 * b * self.hidden + mlp
         # peft's lora.Linear.forward casts its input to the adapters' float32 (`_cast_input_dtype`)
         # and lora_A keeps that copy for backward: one per adapted module, below float32 compute
         lora_casts = 4 * self.lora_inputs if lora and b < 4 else 0
@@ -129,8 +147,10 @@ class Architecture:
         else:
             layers = self.layers * per_layer + lora_casts
         # once: the final norm, the embedding output, the hidden states the head picks, and its
-        # float32 log-prob, entropy and log-normaliser
-        return layers + norm + 2 * b * self.hidden + 12
+        # float32 log-prob, entropy and log-normaliser; the top layer's lean MLP backward holds
+        # three [T, intermediate] rows at once (silu(gate) rebuilt, the product's gradient, up's)
+        backward = 3 * b * self.intermediate if self.lean_mlps else 0
+        return layers + norm + 2 * b * self.hidden + 12 + backward
 
     def activation_bytes(self, tokens: int, b: int, chunk: int, lora: bool = False, checkpointed: bool = False) -> int:
         """A micro-batch of `tokens`: the per-token part, and the LM head's logits, which exist

@@ -15,6 +15,7 @@ from colorl.train.attention import packed_attention
 from colorl.train.fsdp import add_forward_method, checkpoint_layers, make_mesh, shard_model
 from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.train.head import sampled_token_logprobs
+from colorl.train.lean_layers import use_lean_layers
 from colorl.train.packing import MicroBatch, TrainBatch, pack, plan_micro_batches, split_to_count
 
 
@@ -82,6 +83,7 @@ class PolicyTrainer:
         model = load_model(model_dir, dtype)
         model.set_attn_implementation(self.attention)
         use_onednn_linears(model, self.device)  # on CPU: MKL's sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
+        use_lean_layers(model)  # norms and MLPs that save a third less for backward
         return model
 
     def _shard(self, model):
