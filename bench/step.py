@@ -99,8 +99,18 @@ def peak_mb() -> float:
     return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
+_EARLIER_PEAK_MB = 0.0  # the highest peak a reset cleared: clear_refs also clears what ru_maxrss reports
+
+
 def reset_peak() -> None:
+    global _EARLIER_PEAK_MB
+    _EARLIER_PEAK_MB = max(_EARLIER_PEAK_MB, peak_mb())
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def lifetime_peak_mb() -> float:
+    """The process's peak resident memory over its whole life, phase resets included."""
+    return max(_EARLIER_PEAK_MB, peak_mb())
 
 
 class RolloutProfile:
@@ -314,7 +324,8 @@ def run_worker(cfg_dict: dict, steps: int, out: Path) -> None:
     held = holdings(engine, trainer, libraries_mb, max(r["activations_kept_mb"] for r in records))
     dist.destroy_process_group()
     out.write_text(json.dumps({"matmul_gflops": rate / 1e9, "read_gb_s": bandwidth / 1e9, "setup_peak_mb": setup_mb,
-                               "setup_s": setup_s, "holdings": held, "steps": records}))
+                               "setup_s": setup_s, "holdings": held, "steps": records,
+                               "lifetime_peak_mb": lifetime_peak_mb()}))
 
 
 # -- TRL GRPOTrainer at equal work --------------------------------------------------------------------
@@ -368,7 +379,7 @@ def run_trl(steps: int, prompts: Path, out: Path, precision: str | None, model_p
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[Phases()])
     trainer.train()
-    out.write_text(json.dumps({"steps": timings}))
+    out.write_text(json.dumps({"steps": timings, "lifetime_peak_mb": lifetime_peak_mb()}))
 
 
 # -- the LM-head chunk size (train.logits_chunk_tokens) ---------------------------------------------
@@ -426,7 +437,9 @@ def spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
         child.returncode = os.waitstatus_to_exitcode(status)
         if child.returncode:
             raise subprocess.CalledProcessError(child.returncode, argv)
-        return {**json.loads(out.read_text()), "process_max_rss_mb": usage.ru_maxrss / 1024}
+        report = json.loads(out.read_text())
+        # the phase resets (clear_refs) also reset the kernel's ru_maxrss: the worker keeps the peaks they cleared
+        return {**report, "process_max_rss_mb": max(usage.ru_maxrss / 1024, report.get("lifetime_peak_mb", 0.0))}
 
 
 def try_spawn(tree: Path, argv: list[str], extra_path: str | None = None) -> dict:
@@ -485,6 +498,8 @@ def main() -> int:
                         help="speed and max RSS of both systems at each micro-batch x checkpointing setting (two_digit)")
     parser.add_argument("--systems", nargs="+", default=["colorl", "trl"], choices=["colorl", "trl"],
                         help="--frontier: which systems to run this time")
+    parser.add_argument("--trl-micro", nargs="+", type=int, default=list(TRL_MICRO), choices=list(TRL_MICRO),
+                        help="--frontier: TRL's completions per micro-batch to run (default: all)")
     parser.add_argument("--budgets", nargs="*", type=int, default=[],
                         help="--frontier: more colorl token budgets besides TRL's 8 padded completions and the default")
     parser.add_argument("--add-to", default=None,
@@ -651,7 +666,7 @@ def run_frontier(args) -> int:
         points = []
         for checkpointing in (False, True):
             if "trl" in args.systems:
-                points += [Point("trl", n, checkpointing) for n in TRL_MICRO]
+                points += [Point("trl", n, checkpointing) for n in args.trl_micro]
             if "colorl" in args.systems:
                 points += [Point("colorl", budget, checkpointing) for budget in (budgets[8], *args.budgets, None)]
         for repeat in range(args.repeats):

@@ -23,10 +23,10 @@ class SampledTokenHead(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         log_norm = torch.empty_like(logp)
         for s in range(0, k, chunk):
-            logits = linear(hidden[s:s + chunk], weight).float() / temperature  # [c, V]
+            logits = linear(hidden[s:s + chunk], weight).float().div_(temperature)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             logp[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse
-            entropy[s:s + chunk] = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            entropy[s:s + chunk] = lse - torch.softmax(logits, dim=-1).mul_(logits).sum(-1)
             log_norm[s:s + chunk] = lse
         ctx.save_for_backward(hidden, weight, targets, log_norm)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -38,10 +38,10 @@ class SampledTokenHead(torch.autograd.Function):
         hidden, weight, targets, log_norm = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = None  # float32, summed over chunks
         for s in range(0, hidden.shape[0], ctx.chunk):
             h, g = hidden[s:s + ctx.chunk], grad_logp[s:s + ctx.chunk]
-            logits = linear(h, weight).float() / ctx.temperature  # [c, V]
+            logits = linear(h, weight).float().div_(ctx.temperature)  # [c, V]
             # d logp / d logits = onehot(target) − softmax; then through the 1/temperature
             grad_logits = logits.sub_(log_norm[s:s + ctx.chunk, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(1, targets[s:s + ctx.chunk, None], g[:, None])
@@ -49,8 +49,11 @@ class SampledTokenHead(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[s:s + ctx.chunk] = linear(grad_logits, weight.t())  # dlogits W
             if need_weight:
-                grad_weight += linear(grad_logits.t().float(), h.float().t())  # dlogits^T h, fp32 sum over chunks
+                part = linear(grad_logits.t().float(), h.float().t())  # dlogits^T h: [V, H]
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
         if need_weight:
+            if grad_weight is None:  # no trained token here
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 

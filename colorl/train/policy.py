@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from colorl import precision
+from colorl.heap import HeapKeeper
 from colorl.kernels import use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention
@@ -17,6 +18,9 @@ from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_refer
 from colorl.train.head import sampled_token_logprobs
 from colorl.train.lean_layers import use_lean_layers
 from colorl.train.packing import MicroBatch, TrainBatch, pack, plan_micro_batches, split_to_count
+
+
+HEAP_SLACK_BYTES = 1 << 30  # freed heap kept resident for the next micro-batch (colorl/heap.py)
 
 
 @dataclass
@@ -54,6 +58,8 @@ class PolicyTrainer:
     def __init__(self, model_dir: Path, cfg, device: str, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
         self.device = device
+        # a CPU rank's kept heap, bounded (colorl/heap.py)
+        self.heap = HeapKeeper(HEAP_SLACK_BYTES) if torch.device(device).type == "cpu" else None
         self.compute_dtype = precision.compute_dtype(cfg, device)
         self.attention = packed_attention(device, self.compute_dtype or dtype)  # what runs the packed rows
         model = self._load(model_dir, dtype)
@@ -141,6 +147,8 @@ class PolicyTrainer:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.heap is not None:
+            self.heap.settle()
         summed = _all_reduce([sums.loss, sums.stats.is_weight_sum, sums.stats.truncated, sums.stats.clipped,
                               sums.stats.kl_mu_theta_sum, sums.entropy, sums.kl_ref])
         (weight_max,) = _all_reduce([sums.stats.is_weight_max], op=dist.ReduceOp.MAX)
@@ -169,6 +177,8 @@ class PolicyTrainer:
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
         for indices in split_to_count(plan, lengths, int(count)):
+            if self.heap is not None:  # the last micro-batch's activations are free here
+                self.heap.settle()
             micro = pack(batch, indices)
             logp, entropy = self.token_logprobs(self.model, micro)  # [K]
             per_token, part_stats = grpo_token_loss(

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from colorl.engines.native.host_memory import mapped_empty
+
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, the panels' ground
 MAX_PANEL_ROWS = 32  # the row counts raced one by one or between raced neighbours (a rollout batch decoding)
 PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks, scoring, larger batches
@@ -215,7 +217,7 @@ class CpuDecode:
         """`weight` [N, K] in the panels `panel_linear` reads (cpu_decode_loops.h): a copy, made once per
         weight version."""
         check_tensors(weight.dtype, weight=weight)
-        panels = torch.empty(panel_elements(*weight.shape), dtype=weight.dtype)
+        panels = mapped_empty((panel_elements(*weight.shape),), weight.dtype)  # outside the heap: host_memory.py
         self._functions["colorl_pack_panels", weight.dtype](_ptr(weight), _ptr(panels), weight.shape[0],
                                                              weight.shape[1], torch.get_num_threads())
         return panels

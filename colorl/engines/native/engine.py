@@ -37,6 +37,7 @@ import torch
 
 from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, SamplingParams
 from colorl.engines.native.block_manager import BlockManager
+from colorl.engines.native.host_memory import engine_empty
 from colorl.engines.native.model import CausalLM, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
 from colorl.engines.native.sampler import Sampler, SampleRow
@@ -338,9 +339,10 @@ def _build_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
 
 
 def _allocate_parameters(model: CausalLM, shapes: Mapping[str, torch.Size]) -> None:
-    """Fresh, unwritten storage of each parameter's full shape (after `NativeEngine._release`)."""
+    """Fresh, unwritten storage of each parameter's full shape (after `NativeEngine._release`), outside
+    the heap on CPU (host_memory.py)."""
     for name, param in model.named_parameters():
-        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+        param.data = engine_empty(shapes[name], param.dtype, param.device)
 
 
 def _move_parameters(model: CausalLM, device: torch.device) -> None:

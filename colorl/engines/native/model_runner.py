@@ -14,11 +14,11 @@ offset by what is already cached.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 
 import torch
 
+from colorl.engines.native.host_memory import mapped_empty
 from colorl.engines.native.model import AttentionGroup, CausalLM, ModelSpec, StepInputs
 from colorl.engines.native.scheduler import ScheduledBatch
 
@@ -65,19 +65,6 @@ def _host_available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in a mapping of its own, given back to the OS when it is freed.
-
-    colorl's CPU ranks keep their heap (colorl/launch.py), so the pool, sized for the worst case but
-    touched a few blocks at a time, would take the heap's top at every wake: the pages it touched
-    there stay resident after `sleep` and the training phase's tensors land beside them, a little
-    higher each step. Mapped apart, the pages it touched go back at `sleep` and the heap never sees it.
-    """
-    count = math.prod(shape)
-    buffer = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # holds the mapping until freed
 
 
 def bucket_by_length(lengths: list[int], group_cost: int = GROUP_COST_SLOTS) -> list[int]:
