@@ -1,14 +1,16 @@
-"""A CPU rank's freed heap pages, given back to the OS where the trainer has freed what it used.
+"""A CPU rank's kept heap, bounded: freed pages stay resident up to a slack, past it go back to the OS.
 
 colorl's CPU ranks keep their heap (`launch.CPU_RANK_ENV`: no mmap, no automatic trim), so a freed
 tensor's pages stay resident for the next allocation: no page faults, 1.6-1.8x faster train steps
 (issue 11). But a kept heap also keeps every hole, and the train phase's mix of sizes (activations,
 [vocab, hidden] head and embedding gradients, AdamW's temporaries) left holes the next micro-batch
-did not fit: measured on SmolLM2-135M at an 888-token budget, the heap grew by 0.4-0.9 GB a step,
-to 5.7 GB for 3.3 GB in use at step 4. glibc's `malloc_trim(0)` releases the free pages inside the
-heap (not only at its top); called where little is in use (before each micro-batch's forward and
-after the optimizer step) it bounds the heap to one micro-batch's churn (4.3-4.5 GB, flat from step
-2) at no measured cost in step time (bench/README.md, issue 31 item 3).
+did not fit. Measured on SmolLM2-135M at an 888-token budget (2 threads, AMD EPYC Zen 3), the heap
+grew by 0.4-0.9 GB a step, to 5.7 GB for about 3.3 GB in use at step 5, and kept growing. glibc's
+`malloc_trim(0)` releases the free pages anywhere in the heap, not only at its top. `HeapKeeper`
+calls it where the trainer holds only its weights, gradients and optimizer state (before each
+micro-batch, after the optimizer step), once more than `slack` bytes sit resident above the lowest
+resident size seen there: 4.2-4.4 GB from step 2 on, flat over 8 steps. What it costs is the page
+faults of the pages given back (bench/README.md, issue 31 item 3).
 """
 from __future__ import annotations
 
@@ -34,14 +36,15 @@ def resident_bytes() -> int:
 
 
 class HeapKeeper:
-    """Keeps up to `slack` bytes of freed heap resident above the lowest resident size seen at the same
-    point of the loop (where the trainer holds only its weights, gradients and optimizer state); past
-    that, gives the free pages back. The slack is reused without page faults, the rest is what the
-    heap's holes would otherwise add step after step."""
+    """Keeps up to `slack` bytes of freed heap resident above the resident size right after its last
+    trim (at the same point of the loop, where the trainer holds only its weights, gradients and
+    optimizer state), and past that gives the free pages back. The slack is reused without page
+    faults; the rest is what the heap's holes would otherwise add step after step. What the trainer
+    keeps (AdamW's state, created at the first step) moves the base up at the next trim."""
 
     def __init__(self, slack: int) -> None:
         self.slack = slack
-        self.floor: int | None = None
+        self.base: int | None = None
         self.trims = 0
 
     def settle(self) -> bool:
@@ -50,10 +53,11 @@ class HeapKeeper:
         if trim is None:
             return False
         resident = resident_bytes()
-        self.floor = resident if self.floor is None else min(self.floor, resident)
-        if resident <= self.floor + self.slack:
+        if self.base is not None and resident <= self.base + self.slack:
+            self.base = min(self.base, resident)
             return False
-        trim(0)
-        self.trims += 1
-        self.floor = min(self.floor, resident_bytes())
-        return True
+        if self.base is not None:
+            trim(0)
+            self.trims += 1
+        self.base = resident_bytes()
+        return self.base < resident

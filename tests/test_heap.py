@@ -1,0 +1,46 @@
+"""A CPU rank's kept heap, bounded: freed memory stays resident up to a slack, past it goes back to the OS;
+the engine's per-step storage never enters the heap. Real processes with `colorl train`'s allocator
+settings, real resident sizes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colorl.heap import _malloc_trim
+from colorl.launch import CPU_RANK_ENV
+
+PROBE = str(Path(__file__).parent / "helpers" / "heap_probe.py")
+MiB = 2**20
+
+pytestmark = pytest.mark.skipif(_malloc_trim() is None, reason="no glibc malloc_trim here")
+
+
+def probe(kind: str, slack_mib: int) -> dict:
+    env = {**os.environ, **CPU_RANK_ENV}
+    out = subprocess.run([sys.executable, PROBE, kind, str(slack_mib)], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_freed_heap_past_the_slack_goes_back_to_the_os():
+    sizes = probe("heap", 64)
+    assert sizes["freed"] - sizes["before"] > 200 * MiB  # the kept heap holds the freed 256 MiB
+    assert sizes["trimmed"]
+    assert sizes["settled"] - sizes["before"] < 64 * MiB
+
+
+def test_freed_heap_within_the_slack_stays_for_the_next_allocation():
+    sizes = probe("heap", 1024)
+    assert sizes["freed"] - sizes["before"] > 200 * MiB
+    assert not sizes["trimmed"] and sizes["settled"] - sizes["before"] > 200 * MiB
+
+
+def test_the_engines_mapped_storage_goes_back_when_freed_without_a_trim():
+    sizes = probe("mapped", 1024)
+    assert not sizes["trimmed"] and sizes["freed"] - sizes["before"] < 32 * MiB
+
