@@ -7,10 +7,11 @@ tensor's pages stay resident for the next allocation: no page faults, 1.6-1.8x f
 did not fit. Measured on SmolLM2-135M at an 888-token budget (2 threads, AMD EPYC Zen 3), the heap
 grew by 0.4-0.9 GB a step, to 5.7 GB for about 3.3 GB in use at step 5, and kept growing. glibc's
 `malloc_trim(0)` releases the free pages anywhere in the heap, not only at its top. `HeapKeeper`
-calls it where the trainer holds only its weights, gradients and optimizer state (before each
-micro-batch, after the optimizer step), once more than `slack` bytes sit resident above the lowest
-resident size seen there: 4.2-4.4 GB from step 2 on, flat over 8 steps. What it costs is the page
-faults of the pages given back (bench/README.md, issue 31 item 3).
+calls it where the trainer holds only its weights, gradients and optimizer state: before each
+micro-batch once more than `slack` bytes sit resident above the size after its last trim, and
+always after the optimizer step, where the rollout (whose engine memory is mapped apart) follows.
+The train phase then peaked at 4.2-4.5 GB, flat from step 2; what it costs is the page faults of
+the pages given back (bench/README.md, issue 31 item 3).
 """
 from __future__ import annotations
 
@@ -53,11 +54,18 @@ class HeapKeeper:
         if trim is None:
             return False
         resident = resident_bytes()
-        if self.base is not None and resident <= self.base + self.slack:
-            self.base = min(self.base, resident)
+        if self.base is None or resident <= self.base + self.slack:
+            self.base = resident if self.base is None else min(self.base, resident)
             return False
-        if self.base is not None:
-            trim(0)
-            self.trims += 1
+        return self.release()
+
+    def release(self) -> bool:
+        """Give every free page back: where a phase ends and the next (the engine's rollout, in mappings
+        of its own: engines/native/host_memory.py) would not reuse them. True if it could."""
+        trim = _malloc_trim()
+        if trim is None:
+            return False
+        trim(0)
+        self.trims += 1
         self.base = resident_bytes()
-        return self.base < resident
+        return True

@@ -147,8 +147,8 @@ class PolicyTrainer:
         else:
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        if self.heap is not None:
-            self.heap.settle()
+        if self.heap is not None:  # the phase is over: the rollout's engine memory is mapped apart
+            self.heap.release()
         summed = _all_reduce([sums.loss, sums.stats.is_weight_sum, sums.stats.truncated, sums.stats.clipped,
                               sums.stats.kl_mu_theta_sum, sums.entropy, sums.kl_ref])
         (weight_max,) = _all_reduce([sums.stats.is_weight_max], op=dist.ReduceOp.MAX)
