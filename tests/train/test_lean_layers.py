@@ -18,13 +18,15 @@ from colorl.models import tiny_config
 from colorl.train.lean_layers import use_lean_layers
 
 
-def saved_bytes(run) -> tuple[object, int]:
-    """run()'s result and the bytes autograd saved for backward (parameters aside)."""
+def saved_bytes(run, module: torch.nn.Module) -> tuple[object, int]:
+    """run()'s result and the bytes autograd saved for backward, the module's weights aside (F.linear saves
+    a transposed view of its weight, oneDNN's product the weight itself)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(tensor):
-        if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -46,7 +48,7 @@ def twin(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
 def forward_backward(module, inputs: list[torch.Tensor], **kwargs):
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     module.zero_grad(set_to_none=True)
-    out, kept = saved_bytes(lambda: module(*leaves, **kwargs))
+    out, kept = saved_bytes(lambda: module(*leaves, **kwargs), module)
     out = out[0] if isinstance(out, tuple) else out
     torch.manual_seed(1)
     out.backward(torch.randn_like(out))
