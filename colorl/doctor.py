@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colorl.exits import EXIT_BAD_INPUT, EXIT_RUN_FAILED, fail, installed_version
+from colorl.heap import resident_bytes
 
 STEPS = 2
 CPU_ENGINES = ("native", "hf")
@@ -103,7 +104,8 @@ class MemoryProbe:
     rows: list[dict] = field(default_factory=list)
 
     def record(self, phase: str) -> None:
-        row = {"phase": phase, "rss": _rss(os.getpid()), "children_rss": sum(_rss(p) or 0 for p in _children())}
+        row = {"phase": phase, "rss": resident_bytes(),
+               "children_rss": sum(resident_bytes(p) or 0 for p in _children())}
         if self.device.startswith("cuda"):
             import torch
 
@@ -114,16 +116,6 @@ class MemoryProbe:
                        outside_allocator=total - free - reserved)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.rows.append(row)
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _children() -> list[int]:

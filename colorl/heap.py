@@ -31,9 +31,13 @@ def _malloc_trim():
         return None
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident memory (VmRSS), None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE
+    except OSError:
+        return None
 
 
 class HeapKeeper:
@@ -46,14 +50,12 @@ class HeapKeeper:
     def __init__(self, slack: int) -> None:
         self.slack = slack
         self.base: int | None = None
-        self.trims = 0
 
     def settle(self) -> bool:
         """Call where the loop has freed what it used. True if it gave pages back."""
-        trim = _malloc_trim()
-        if trim is None:
-            return False
         resident = resident_bytes()
+        if _malloc_trim() is None or resident is None:  # no glibc, or no /proc to read
+            return False
         if self.base is None or resident <= self.base + self.slack:
             self.base = resident if self.base is None else min(self.base, resident)
             return False
@@ -66,6 +68,5 @@ class HeapKeeper:
         if trim is None:
             return False
         trim(0)
-        self.trims += 1
         self.base = resident_bytes()
         return True
