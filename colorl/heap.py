@@ -7,11 +7,10 @@ tensor's pages stay resident for the next allocation: no page faults, 1.6-1.8x f
 did not fit. Measured on SmolLM2-135M at an 888-token budget (2 threads, AMD EPYC Zen 3), the heap
 grew by 0.4-0.9 GB a step, to 5.7 GB for about 3.3 GB in use at step 5, and kept growing. glibc's
 `malloc_trim(0)` releases the free pages anywhere in the heap, not only at its top. `HeapKeeper`
-calls it where the trainer holds only its weights, gradients and optimizer state: before each
-micro-batch once more than `slack` bytes sit resident above the size after its last trim, and
-always after the optimizer step, where the rollout (whose engine memory is mapped apart) follows.
-The train phase then peaked at 4.2-4.5 GB, flat from step 2; what it costs is the page faults of
-the pages given back (bench/README.md, issue 31 item 3).
+calls it where a micro-batch's activations are free, once the heap has grown `slack` past its size after
+the first micro-batch (what the next one reuses), and always after the optimizer step, where the rollout
+(whose engine memory is mapped apart) follows. What it costs is the page faults of the pages given back,
+so it trims only on growth (bench/README.md, issue 31 item 3).
 """
 from __future__ import annotations
 
@@ -41,23 +40,28 @@ def resident_bytes(pid: int | str = "self") -> int | None:
 
 
 class HeapKeeper:
-    """Keeps up to `slack` bytes of freed heap resident above the resident size right after its last
-    trim (at the same point of the loop, where the trainer holds only its weights, gradients and
-    optimizer state), and past that gives the free pages back. The slack is reused without page
-    faults; the rest is what the heap's holes would otherwise add step after step. What the trainer
-    keeps (AdamW's state, created at the first step) moves the base up at the next trim."""
+    """Keeps the heap as the trainer's loop refills it, and gives back only what it grows past that.
+
+    The first `settle()` after a release (after the first micro-batch, whose activations are then free) takes
+    the resident size as the reference: the trainer's state plus one micro-batch's freed memory, which the next
+    micro-batch reuses without page faults. A later settle that finds the heap more than `slack` above it (the
+    next micro-batch did not fit the holes and grew the heap) gives the free pages back. A heap whose holes are
+    reused is never trimmed inside the phase: trimming each micro-batch's memory to re-fault it at the next cost
+    4-5 s of a 30 s train step (2-core Zen 3, 888-token micro-batches)."""
 
     def __init__(self, slack: int) -> None:
         self.slack = slack
-        self.base: int | None = None
+        self.reference: int | None = None
 
     def settle(self) -> bool:
-        """Call where the loop has freed what it used. True if it gave pages back."""
+        """Call where the loop has freed what one micro-batch used. True if it gave pages back."""
         resident = resident_bytes()
         if _malloc_trim() is None or resident is None:  # no glibc, or no /proc to read
             return False
-        if self.base is None or resident <= self.base + self.slack:
-            self.base = resident if self.base is None else min(self.base, resident)
+        if self.reference is None:
+            self.reference = resident
+            return False
+        if resident <= self.reference + self.slack:
             return False
         return self.release()
 
@@ -68,5 +72,5 @@ class HeapKeeper:
         if trim is None:
             return False
         trim(0)
-        self.base = resident_bytes()
+        self.reference = None  # the next settle measures the refilled heap again
         return True

@@ -17,6 +17,13 @@ strides), the op torch's own CPU inductor uses for linears.
   backward is two more products of the same op (dX = dY W, dW = dY^T X); at training sizes the
   unpacked weight costs nothing measurable.
 
+The two uses race apart (`SERVING`, `TRAINING`): the engine's products over packed weights at decode
+and prefill sizes, and a training layer's forward and backward over plain weights. One verdict does not
+decide the other: on a 2-core Zen 3 oneDNN won the serving race by 16 % and lost a training layer by
+12-20 % at 256-2048 rows, and its per-shape primitives (a micro-batch's row count changes every call)
+left the trainer's kept heap fragmented, growing 0.3-0.5 GB a step where MKL's products held it flat
+(bench/README.md, issue 31 item 3).
+
 Which dtypes oneDNN takes is asked of this machine, not assumed: one tiny product of each dtype
 (packed and plain) runs once per process (`onednn_dtypes`). Whether it is also the faster library
 here is measured, not read from the vendor's name: the first product of a dtype at a thread count
@@ -38,6 +45,7 @@ import functools
 import os
 import platform
 import types
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +93,10 @@ def onednn_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtype for dtype in _CANDIDATE_DTYPES if _product_runs(dtype))
 
 
-RACE_SHAPES = ((256, 576, 1536), (16, 576, 1536))  # (rows, in, out): a training micro-batch slice, a decode step
+SERVING, TRAINING = "serving", "training"  # what a product is for: each use races for itself
+RACED = None  # `use` of a race's oneDNN contender: oneDNN whatever the verdicts say
+RACE_SHAPES = ((256, 576, 1536), (16, 576, 1536))  # (rows, in, out): a prefill slice, a decode step
+TRAIN_RACE_SHAPE = (512, 576, 1536)  # (rows, hidden, intermediate): a training micro-batch slice of SmolLM2's MLP
 
 
 def race_onednn(dtype: torch.dtype) -> dict:
@@ -115,39 +126,71 @@ def race_onednn(dtype: torch.dtype) -> dict:
     return stable_race({"onednn": (onednn, default)})
 
 
+def training_layer(dtype: torch.dtype, product: Callable) -> Callable[[], None]:
+    """One training layer's forward and backward (x -> up -> SiLU -> down, the weights with gradients) through
+    `product(x, weight)`: what a race of the trainer's products times."""
+    rows, hidden, intermediate = TRAIN_RACE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"x": (rows, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+    tensors = {name: (torch.randn(*shape, generator=gen) * 0.05).to(dtype).requires_grad_(name != "x")
+               for name, shape in shapes.items()}
+
+    def run() -> None:
+        product(F.silu(product(tensors["x"], tensors["up"])), tensors["down"]).sum().backward()
+        for name in ("up", "down"):
+            tensors[name].grad = None
+    return run
+
+
+def race_onednn_training(dtype: torch.dtype) -> dict:
+    """oneDNN against torch's default over a training layer's forward and backward (`training_layer`), plain
+    weights as the trainer's change every step, through colorl.verdicts.stable_race."""
+    from colorl.verdicts import stable_race
+
+    onednn = training_layer(dtype, lambda x, weight: OneDNNLinear.apply(x, weight, None, RACED))
+    default = training_layer(dtype, F.linear)
+    return stable_race({"onednn": (onednn, default)})
+
+
 def forced_onednn() -> bool | None:
     """COLORL_ONEDNN=1 takes oneDNN for every dtype it runs, =0 never uses it; unset: the race decides."""
     value = os.environ.get("COLORL_ONEDNN", "")
     return {"1": True, "0": False}.get(value)
 
 
-def onednn_verdict_name(dtype: torch.dtype, threads: int) -> str:
-    return f"onednn {dtype} at {threads} threads"
+def onednn_verdict_name(dtype: torch.dtype, threads: int, use: str = SERVING) -> str:
+    return f"onednn {dtype} at {threads} threads" if use == SERVING else f"onednn {use} {dtype} at {threads} threads"
 
 
 @functools.cache
-def _chosen(dtype: torch.dtype, threads: int) -> bool:
+def _chosen(dtype: torch.dtype, threads: int, use: str) -> bool:
     from colorl.verdicts import measured_verdict
 
-    verdict = measured_verdict(onednn_verdict_name(dtype, threads), lambda: race_onednn(dtype), keys=("won",))
+    race = race_onednn if use == SERVING else race_onednn_training
+    verdict = measured_verdict(onednn_verdict_name(dtype, threads, use), lambda: race(dtype), keys=("won",))
     return "onednn" in verdict["won"]
 
 
-def onednn_chosen(dtype: torch.dtype) -> bool:
-    """colorl sends `dtype`'s CPU products to oneDNN at this thread count: oneDNN runs them here and, unless
-    forced (COLORL_ONEDNN), it beat torch's default clearly in this machine's race (kept in kernels.json)."""
+def onednn_chosen(dtype: torch.dtype, use: str = SERVING) -> bool:
+    """colorl sends `dtype`'s CPU products for `use` to oneDNN at this thread count: oneDNN runs them here and,
+    unless forced (COLORL_ONEDNN), it beat torch's default clearly in this machine's race for that use (kept in
+    kernels.json)."""
+    if use not in (SERVING, TRAINING):
+        raise ValueError(f"use must be {SERVING!r} or {TRAINING!r}, not {use!r}")
     if dtype not in onednn_dtypes():
         return False
     forced = forced_onednn()
     if forced is not None:
         return forced
-    return _chosen(dtype, torch.get_num_threads())
+    return _chosen(dtype, torch.get_num_threads(), use)
 
 
-def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _runs_on_onednn(x: torch.Tensor, weight: torch.Tensor, use: str | None = SERVING) -> bool:
     """Directly, in its dtype (a widened bf16 product reaches oneDNN as a float32 one, if at all)."""
-    return (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == weight.dtype and onednn_chosen(weight.dtype) and not _widens(x, weight))
+    if not (_AVAILABLE and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype):
+        return False
+    chosen = weight.dtype in onednn_dtypes() if use is RACED else onednn_chosen(weight.dtype, use)
+    return chosen and not _widens(x, weight)
 
 
 @functools.cache
@@ -163,26 +206,32 @@ def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_widened()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in].T (+ bias), no autograd: oneDNN on CPU, F.linear elsewhere; bf16 on a
-    CPU without bf16 instructions as float32 products (`bf16_widened`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           use: str | None = SERVING) -> torch.Tensor:
+    """x [..., in] @ weight [out, in].T (+ bias), no autograd: oneDNN on CPU where chosen for `use`, F.linear
+    elsewhere; bf16 on a CPU without bf16 instructions as float32 products (`bf16_widened`)."""
     if _widens(x, weight):
         wide_bias = None if bias is None else bias.float()
-        return linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
-    if not _runs_on_onednn(x, weight):
+        return linear(x.float(), weight.float(), wide_bias, use).to(torch.bfloat16)
+    if not _runs_on_onednn(x, weight, use):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+
+
+def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for the trainer's own autograd functions (LM head, lean layers): its products race as training's."""
+    return linear(x, weight, bias, TRAINING)
 
 
 class OneDNNLinear(torch.autograd.Function):
     """F.linear with oneDNN products in forward and backward (same maths, fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, use=SERVING):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return linear(x, weight, bias)
+        ctx.has_bias, ctx.use = bias is not None, use
+        return linear(x, weight, bias, use)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -190,33 +239,41 @@ class OneDNNLinear(torch.autograd.Function):
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = linear(grad_out, weight.t())  # dY W: [..., in]
+            grad_x = linear(grad_out, weight.t(), use=ctx.use)  # dY W: [..., in]
         if ctx.needs_input_grad[1]:
-            grad_weight = linear(grad_flat.t(), x.reshape(-1, x.shape[-1]).t())  # dY^T X: [out, in]
+            grad_weight = linear(grad_flat.t(), x.reshape(-1, x.shape[-1]).t(), use=ctx.use)  # dY^T X: [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_flat.sum(0)
-        return grad_x, grad_weight, grad_bias
+        return grad_x, grad_weight, grad_bias, None
 
 
-def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _runs_on_onednn(x, self.weight) or _widens(x, self.weight):
-        return OneDNNLinear.apply(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)
+def differentiable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          use: str = SERVING) -> torch.Tensor:
+    """F.linear with autograd, through `OneDNNLinear` where oneDNN is chosen for `use` or bf16 is widened."""
+    if _runs_on_onednn(x, weight, use) or _widens(x, weight):
+        return OneDNNLinear.apply(x, weight, bias, use)
+    return F.linear(x, weight, bias)
 
 
-def use_onednn_linears(model: torch.nn.Module, device: str | torch.device) -> int:
-    """Route every plain nn.Linear of `model` through `OneDNNLinear` when it will run on a CPU
-    `device` (inputs of other dtypes still take F.linear).
+def _linear_forward(use: str):
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return differentiable_linear(x, self.weight, self.bias, use)
+    return forward
+
+
+def use_onednn_linears(model: torch.nn.Module, device: str | torch.device, use: str = SERVING) -> int:
+    """Route every plain nn.Linear of `model` through `differentiable_linear` for `use` (the trainer's modules:
+    TRAINING) when it will run on a CPU `device` (inputs of other dtypes still take F.linear).
 
     Per instance, before FSDP wraps the model: its hooks run around `forward` as before. Returns
     how many modules were switched (0 off the CPU, or without oneDNN where bf16 is not widened).
     """
     if not (onednn_enabled() or bf16_widened()) or torch.device(device).type != "cpu":
         return 0
-    switched = 0
+    switched, forward = 0, _linear_forward(use)
     for module in model.modules():
         if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_onednn_forward, module)
+            module.forward = types.MethodType(forward, module)
             switched += 1
     return switched
 

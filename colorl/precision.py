@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 AUTO = "auto"
-RACE_ROWS, RACE_HIDDEN, RACE_INTERMEDIATE = 256, 576, 1536  # a training micro-batch slice of SmolLM2's MLP
 
 
 @dataclass(frozen=True)
@@ -48,31 +47,20 @@ def forced_bf16() -> bool | None:
 
 
 def race_bf16_layer() -> dict:
-    """A training layer's forward and backward (x -> up -> SiLU -> down, weights with gradients) in bf16 against
-    float32, through the products the trainer runs (colorl.kernels: oneDNN where chosen for that dtype)."""
-    from colorl.kernels import OneDNNLinear
+    """A training layer's forward and backward in bf16 against float32, through the products the trainer runs
+    (colorl.kernels: oneDNN where chosen for training in that dtype)."""
+    from colorl.kernels import TRAINING, differentiable_linear, training_layer
     from colorl.verdicts import stable_race
 
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"x": (RACE_ROWS, RACE_HIDDEN), "up": (RACE_INTERMEDIATE, RACE_HIDDEN), "down": (RACE_HIDDEN, RACE_INTERMEDIATE)}
-    master = {name: torch.randn(*shape, generator=gen) * 0.05 for name, shape in shapes.items()}
+    def product(x, weight):
+        return differentiable_linear(x, weight, None, TRAINING)
 
-    def layer(dtype: torch.dtype):
-        tensors = {name: t.to(dtype).requires_grad_(name != "x") for name, t in master.items()}
-
-        def run() -> None:
-            hidden = torch.nn.functional.silu(OneDNNLinear.apply(tensors["x"], tensors["up"], None))
-            OneDNNLinear.apply(hidden, tensors["down"], None).sum().backward()
-            for name in ("up", "down"):
-                tensors[name].grad = None
-        return run
-
-    return stable_race({"bfloat16": (layer(torch.bfloat16), layer(torch.float32))})
+    return stable_race({"bfloat16": (training_layer(torch.bfloat16, product), training_layer(torch.float32, product))})
 
 
 def bf16_wins_here() -> tuple[bool, str]:
     """Whether this CPU computes a training layer faster in bf16, and why, at this process's thread count."""
-    from colorl.kernels import onednn_chosen, onednn_dtypes, onednn_enabled
+    from colorl.kernels import TRAINING, onednn_chosen, onednn_dtypes, onednn_enabled
     from colorl.verdicts import measured_verdict
 
     if not onednn_enabled():
@@ -81,7 +69,7 @@ def bf16_wins_here() -> tuple[bool, str]:
         return False, "this CPU has no bf16 matrix products: no AVX512-BF16, AMX or AVX-NE-CONVERT"
     threads = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
-        onednn_chosen(dtype)  # the products the race runs are chosen before it starts
+        onednn_chosen(dtype, TRAINING)  # the products the race runs are chosen before it starts
     verdict = measured_verdict(verdict_name(threads), race_bf16_layer, keys=("won",))
     if verdict.get("busy"):
         return False, "the bf16 race ran on a busy machine: float32 until a quiet start races again"

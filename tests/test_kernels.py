@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from colorl import kernels
 from colorl.kernels import PACK_ROWS_HINT, OneDNNLinear, linear, onednn_available, onednn_dtypes, onednn_enabled, use_onednn_linears
+from colorl.machine import machine_key
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN off (not in this torch, not x86, or COLORL_ONEDNN=0)")
 
@@ -109,6 +110,31 @@ def test_the_library_this_cpu_measures_faster_does_the_products(fresh_choice, mo
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
+def test_serving_and_training_race_apart(fresh_choice, monkeypatch, tmp_path):
+    """The engine's products (packed, decode sizes) and a training layer's (plain weights, forward and backward)
+    are raced and kept apart: oneDNN can win one and lose the other (a Zen 3 at 2 threads: won serving by 16 %,
+    lost training by 12-20 %). The trainer's modules, LM head and lean layers follow the training verdict."""
+    monkeypatch.setattr(kernels, "race_onednn", lambda dtype: verdict_of(True))
+    monkeypatch.setattr(kernels, "race_onednn_training", lambda dtype: verdict_of(False))
+    assert kernels.onednn_chosen(torch.float32) and not kernels.onednn_chosen(torch.float32, kernels.TRAINING)
+    assert sorted(json.loads((tmp_path / "kernels.json").read_text())) == sorted(
+        f"{machine_key()} {kernels.onednn_verdict_name(torch.float32, torch.get_num_threads(), use)}"
+        for use in (kernels.SERVING, kernels.TRAINING))
+    calls = []
+    monkeypatch.setattr(kernels.OneDNNLinear, "apply", lambda *args: calls.append(args[-1]) or F.linear(*args[:3]))
+    trained, served = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    assert use_onednn_linears(trained, "cpu", kernels.TRAINING) == use_onednn_linears(served, "cpu") == 1
+    x = torch.randn(5, 16)
+    trained(x).sum().backward()
+    assert calls == [] and trained.weight.grad is not None  # torch's default products, with autograd
+    served(x)
+    assert calls == [kernels.SERVING]
+    assert kernels._runs_on_onednn(x, served.weight) and not kernels._runs_on_onednn(x, served.weight, kernels.TRAINING)
+    assert kernels._runs_on_onednn(x, served.weight, kernels.RACED)  # a race's contender runs oneDNN regardless
+    with pytest.raises(ValueError, match="use must be"):
+        kernels.onednn_chosen(torch.float32, "inference")
+
+
 def test_the_verdict_is_kept_for_every_later_process(fresh_choice, monkeypatch, tmp_path):
     """A run and its resume (and every rank) compute with the same library: raced once per machine."""
     monkeypatch.setattr(kernels, "race_onednn", lambda dtype: verdict_of(False))
@@ -179,6 +205,15 @@ def test_a_capped_instruction_set_is_measured_apart(fresh_choice, monkeypatch):
     uncapped = machine_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert machine_key() != uncapped
+
+
+def test_the_training_race_times_a_layer_forward_and_backward_both_ways():
+    verdict = kernels.race_onednn_training(torch.float32)
+    assert set(verdict["seconds"]) == {"onednn"} and set(verdict["won"]) <= {"onednn"}
+    assert all(0 < seconds < 5 for passes in verdict["seconds"]["onednn"] for seconds in passes)
+    onednn, default = (kernels.training_layer(torch.float32, product) for product in
+                       (lambda x, w: kernels.OneDNNLinear.apply(x, w, None, kernels.RACED), F.linear))
+    onednn(), default()  # both contenders run forward and backward to the end
 
 
 def test_the_race_times_both_libraries_at_both_shapes():

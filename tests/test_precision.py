@@ -24,7 +24,7 @@ def raced(monkeypatch, tmp_path):
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(verdicts, "_run_record", None)
     monkeypatch.setattr(kernels, "onednn_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
-    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype: True)
+    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype, use=kernels.SERVING: True)
     monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
 
     class Race:
@@ -107,7 +107,7 @@ def test_bf16_products_widened_where_the_cpu_has_no_bf16_instructions(monkeypatc
     assert kernels.bf16_widened() == (kernels.onednn_available() and platform.machine().lower() in ("x86_64", "amd64")
                                       and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     monkeypatch.setattr(kernels, "bf16_widened", lambda: True)  # every CPU takes the widened path here,
-    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype: True)  # even one whose oneDNN would take bf16
+    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype, use=kernels.SERVING: True)  # even one whose oneDNN would take bf16
     gen = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((37, 96), (80, 96), (80,)))
     widened = linear(x, weight, bias)

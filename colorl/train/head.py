@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from colorl.kernels import linear
+from colorl.kernels import training_linear
 from colorl.train.packing import MicroBatch
 
 
@@ -23,7 +23,7 @@ class SampledTokenHead(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         log_norm = torch.empty_like(logp)
         for s in range(0, k, chunk):
-            logits = linear(hidden[s:s + chunk], weight).float().div_(temperature)  # [c, V]
+            logits = training_linear(hidden[s:s + chunk], weight).float().div_(temperature)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             logp[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse
             entropy[s:s + chunk] = lse - torch.softmax(logits, dim=-1).mul_(logits).sum(-1)
@@ -41,15 +41,15 @@ class SampledTokenHead(torch.autograd.Function):
         grad_weight = None  # float32, summed over chunks
         for s in range(0, hidden.shape[0], ctx.chunk):
             h, g = hidden[s:s + ctx.chunk], grad_logp[s:s + ctx.chunk]
-            logits = linear(h, weight).float().div_(ctx.temperature)  # [c, V]
+            logits = training_linear(h, weight).float().div_(ctx.temperature)  # [c, V]
             # d logp / d logits = onehot(target) − softmax; then through the 1/temperature
             grad_logits = logits.sub_(log_norm[s:s + ctx.chunk, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(1, targets[s:s + ctx.chunk, None], g[:, None])
             grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
             if need_hidden:
-                grad_hidden[s:s + ctx.chunk] = linear(grad_logits, weight.t())  # dlogits W
+                grad_hidden[s:s + ctx.chunk] = training_linear(grad_logits, weight.t())  # dlogits W
             if need_weight:
-                part = linear(grad_logits.t().float(), h.float().t())  # dlogits^T h: [V, H]
+                part = training_linear(grad_logits.t().float(), h.float().t())  # dlogits^T h: [V, H]
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
         if need_weight:
             if grad_weight is None:  # no trained token here

@@ -12,7 +12,7 @@ output and the gated product besides the two projections (measured: 1.20 GB save
 
 That is 0.43 GB (36 %) less per 888 tokens on SmolLM2-135M, the same as Liger's fused RMSNorm and
 SwiGLU kernels do on GPU. The maths follow transformers' forward step for step (statistics in
-float32, the normalized rows cast back before the weight, products through `kernels.linear`), so
+float32, the normalized rows cast back before the weight, products through `kernels.training_linear`), so
 the outputs are bit-equal and the gradients agree up to the order of float32 sums.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from colorl.kernels import linear
+from colorl.kernels import training_linear
 
 # transformers classes whose forward is exactly `weight * (x * rsqrt(mean(x²) + eps))` (Gemma's adds 1)
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
@@ -75,7 +75,7 @@ class SwiGLUDownFn(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
-        return linear(F.silu(gate) * up, weight, bias)
+        return training_linear(F.silu(gate) * up, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,12 +85,12 @@ class SwiGLUDownFn(torch.autograd.Function):
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
             product = (activated * up).reshape(-1, up.shape[-1])  # [N, I], rebuilt
-            grad_weight = linear(grad_flat.t(), product.t())  # dY^T P: [H, I]
+            grad_weight = training_linear(grad_flat.t(), product.t())  # dY^T P: [H, I]
             del product
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = grad_flat.sum(0)
         # at most three [N, I] tensors at once: the top layer's backward sets the step's peak
-        grad_product = linear(grad, weight.t())  # dY W: [..., I]
+        grad_product = training_linear(grad, weight.t())  # dY W: [..., I]
         grad_up = grad_product * activated
         del activated
         return torch.ops.aten.silu_backward(grad_product.mul_(up), gate), grad_up, grad_weight, grad_bias

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from colorl import precision
 from colorl.heap import HeapKeeper
-from colorl.kernels import use_onednn_linears
+from colorl.kernels import TRAINING, use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention
 from colorl.train.fsdp import add_forward_method, checkpoint_layers, make_mesh, shard_model
@@ -20,7 +20,7 @@ from colorl.train.lean_layers import use_lean_layers
 from colorl.train.packing import MicroBatch, TrainBatch, pack, plan_micro_batches, split_to_count
 
 
-HEAP_SLACK_BYTES = 1 << 30  # freed heap kept resident for the next micro-batch (colorl/heap.py)
+HEAP_SLACK_BYTES = 256 << 20  # heap growth past its size after one micro-batch, given back (colorl/heap.py)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class PolicyTrainer:
     def _load(self, model_dir: Path, dtype: torch.dtype):
         model = load_model(model_dir, dtype)
         model.set_attn_implementation(self.attention)
-        use_onednn_linears(model, self.device)  # on CPU: MKL's sgemm is 2-2.7x slower on AMD (colorl/kernels.py)
+        use_onednn_linears(model, self.device, TRAINING)  # on CPU: the faster of oneDNN and MKL here (colorl/kernels.py)
         use_lean_layers(model)  # norms and MLPs that save a third less for backward
         return model
 
@@ -177,8 +177,6 @@ class PolicyTrainer:
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
         for indices in split_to_count(plan, lengths, int(count)):
-            if self.heap is not None:  # the last micro-batch's activations are free here
-                self.heap.settle()
             micro = pack(batch, indices)
             logp, entropy = self.token_logprobs(self.model, micro)  # [K]
             per_token, part_stats = grpo_token_loss(
@@ -195,6 +193,9 @@ class PolicyTrainer:
             (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
             sums.add(float(loss.detach()), part_stats, float(entropy.sum()),
                      float(kl.detach().sum()) if kl is not None else 0.0)
+            del logp, entropy, per_token, loss, kl
+            if self.heap is not None:  # this micro-batch's activations are free here
+                self.heap.settle()
         return sums
 
 

@@ -112,7 +112,8 @@ def test_cpu_matmuls_follow_the_verdict_and_the_version(family_dir, monkeypatch,
 
     if verdict == "onednn" and not kernels.onednn_enabled():
         pytest.skip("oneDNN off here (not in this torch, not x86, or COLORL_ONEDNN=0): only torch's kernels run")
-    monkeypatch.setattr(kernels, "onednn_chosen", lambda dtype: verdict == "onednn" and dtype in kernels.onednn_dtypes())
+    monkeypatch.setattr(kernels, "onednn_chosen",
+                        lambda dtype, use=kernels.SERVING: verdict == "onednn" and dtype in kernels.onednn_dtypes())
     eng = NativeEngine(family_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16))
     eng.model.use_compiled = False  # the loops read the plain weights or panels (tests/engines/test_cpu_decode.py)
     eng.model.repack()  # without the loops, oneDNN serves every product: all packed

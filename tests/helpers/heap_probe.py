@@ -1,6 +1,11 @@
-"""Run with a CPU rank's allocator settings (launch.CPU_RANK_ENV): frees 256 MiB of touched heap, then
-prints JSON of the resident size after the free, after `HeapKeeper(slack).settle()`, and whether it
-trimmed; `mapped` instead frees the same bytes from `host_memory.mapped_empty`."""
+"""Run with a CPU rank's allocator settings (launch.CPU_RANK_ENV) as a trainer's loop would use the heap, and
+print JSON of resident sizes and whether `HeapKeeper(slack)` trimmed.
+
+- `heap`: a micro-batch touches 256 MiB and frees it (the keeper's reference); the next touches 240 MiB (it fits
+  the hole); then one touches 512 MiB while a small block pinned above the first hole keeps it apart (it cannot
+  fit: the heap grows).
+- `mapped`: the same 256 MiB from `host_memory.mapped_empty`, freed.
+"""
 import json
 import sys
 
@@ -12,11 +17,33 @@ from colorl.heap import HeapKeeper, resident_bytes
 MiB = 2**20
 kind, slack = sys.argv[1], int(sys.argv[2]) * MiB
 keeper = HeapKeeper(slack)
-keeper.settle()  # the floor: nothing freed yet
 before = resident_bytes()
-block = mapped_empty((64 * MiB,), torch.float32) if kind == "mapped" else torch.empty(64 * MiB, dtype=torch.float32)
-block.fill_(1.0)  # 256 MiB touched
-del block
-freed = resident_bytes()
-trimmed = keeper.settle()
-print(json.dumps({"before": before, "freed": freed, "settled": resident_bytes(), "trimmed": trimmed}))
+
+
+def micro_batch(mib: int, pin: bool = False):
+    """Touch `mib` MiB of heap and free it; with `pin`, a small block allocated after it stays."""
+    block = torch.empty(mib * MiB // 4, dtype=torch.float32)
+    block.fill_(1.0)
+    pinned = torch.ones(1024) if pin else None
+    del block
+    return pinned
+
+
+if kind == "mapped":
+    block = mapped_empty((64 * MiB,), torch.float32)
+    block.fill_(1.0)
+    del block
+    freed = resident_bytes()
+    print(json.dumps({"before": before, "freed": freed, "trimmed": keeper.settle()}))
+    sys.exit()
+pinned = micro_batch(256, pin=True)
+first = resident_bytes()
+trims = [keeper.settle()]  # the reference: the heap refilled by one micro-batch
+micro_batch(240)
+reused = resident_bytes()
+trims.append(keeper.settle())
+micro_batch(512)
+grown = resident_bytes()
+trims.append(keeper.settle())
+print(json.dumps({"before": before, "first": first, "reused": reused, "grown": grown, "settled": resident_bytes(),
+                  "trims": trims}))

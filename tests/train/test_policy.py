@@ -62,7 +62,7 @@ def test_sequence_mean_counts_only_rows_that_are_trained(tiny_model_dir):
     assert math.isclose(full.train_step(kept).loss, half.train_step(both).loss, rel_tol=1e-5)
 
 
-def test_a_cpu_trainer_settles_its_heap_before_each_micro_batch_and_releases_it_after_the_step(tiny_model_dir, monkeypatch):
+def test_a_cpu_trainer_settles_its_heap_after_each_micro_batch_and_releases_it_after_the_step(tiny_model_dir, monkeypatch):
     """colorl/heap.py: where the trainer has freed what it used, its kept heap is bounded."""
     trainer = _trainer(tiny_model_dir)
     calls = []
@@ -73,5 +73,5 @@ def test_a_cpu_trainer_settles_its_heap_before_each_micro_batch_and_releases_it_
     trainer.train_step(_batch())
     forwards = calls.count("forward")
     assert forwards >= 2  # a 20-token budget: a micro-batch a sequence
-    assert calls == ["settle", "forward"] * forwards + ["release"]
+    assert calls == ["forward", "settle"] * forwards + ["release"]
 

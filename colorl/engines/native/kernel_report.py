@@ -66,9 +66,12 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
             torch.set_num_threads(threads)
             for dtype in DTYPES:
                 if dtype in kernels.onednn_dtypes():
-                    chosen = kernels.onednn_chosen(dtype)
-                    verdict = None if forced_onednn else kept_verdict(kernels.onednn_verdict_name(dtype, threads))
-                    products = f"{'oneDNN' if chosen else 'torch (MKL)'} ({_source(forced_onednn, verdict)})"
+                    uses = []
+                    for use in (kernels.SERVING, kernels.TRAINING):
+                        chosen = kernels.onednn_chosen(dtype, use)
+                        verdict = None if forced_onednn else kept_verdict(kernels.onednn_verdict_name(dtype, threads, use))
+                        uses.append(f"{use} {'oneDNN' if chosen else 'torch (MKL)'} ({_source(forced_onednn, verdict)})")
+                    products = ", ".join(uses)
                 elif dtype == torch.bfloat16 and kernels.bf16_widened():
                     products = "float32 over the bf16 values (no bf16 instructions here)"
                 else:
