@@ -5,7 +5,9 @@ tensor's pages stay resident for the next allocation: no page faults, 1.6-1.8x f
 (issue 11). But a kept heap also keeps every hole, and the train phase's mix of sizes (activations,
 [vocab, hidden] head and embedding gradients, AdamW's temporaries) left holes the next micro-batch
 did not fit. Measured on SmolLM2-135M at an 888-token budget (2 threads, AMD EPYC Zen 3), the heap
-grew by 0.4-0.9 GB a step, to 5.7 GB for about 3.3 GB in use at step 5, and kept growing. glibc's
+grew by 0.4-0.9 GB a step, to 5.7 GB for about 3.3 GB in use at step 5, and kept growing; with the same
+shapes in every micro-batch, or with MKL's products instead of oneDNN's (whose primitives follow each new
+row count), it held flat (the trainer now races its products apart: `kernels.TRAINING`). glibc's
 `malloc_trim(0)` releases the free pages anywhere in the heap, not only at its top. `HeapKeeper`
 calls it where a micro-batch's activations are free, once the heap has grown `slack` past its size after
 the first micro-batch (what the next one reuses), and always after the optimizer step, where the rollout
