@@ -159,6 +159,7 @@ def forced_onednn() -> bool | None:
 
 
 def onednn_verdict_name(dtype: torch.dtype, threads: int, use: str = SERVING) -> str:
+    # serving keeps the name the single verdict had, so the verdicts machines already keep stay valid
     return f"onednn {dtype} at {threads} threads" if use == SERVING else f"onednn {use} {dtype} at {threads} threads"
 
 
