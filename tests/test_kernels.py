@@ -78,8 +78,8 @@ def test_probe_says_what_onednn_really_runs(dtype):
 def test_onednn_held_to_avx2_keeps_fp32_and_gives_bf16_to_torch():
     """An AVX-512 machine held to AVX2 answers like an AVX2-only CPU: no bf16 path in oneDNN, and a bf16
     product still runs (torch's kernels) and matches fp32."""
-    code = ("import torch; from colorl.kernels import onednn_dtypes, linear;"
-            "x, w = torch.randn(5, 32), torch.randn(12, 32);"
+    code = ("import torch; from colorl.kernels import onednn_dtypes, linear; torch.manual_seed(0);"
+            "x, w = torch.randn(5, 32), torch.randn(12, 32);"  # seeded: unseeded draws crossed 0.1 now and then
             "err = (linear(x.bfloat16(), w.bfloat16()).float() - linear(x, w)).abs().max().item();"
             "print(sorted(str(d) for d in onednn_dtypes()), err < 0.1)")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "COLORL_ONEDNN": "1"}
