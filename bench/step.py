@@ -203,7 +203,9 @@ def planned_activations_mb(cfg, model, groups) -> float:
     from colorl.plan import DTYPE_BYTES, Architecture
 
     lengths = sorted((len(r.prompt_ids) + len(r.output_ids) for g in groups for r in g.results), reverse=True)
-    budget, tokens = cfg.train.max_tokens_per_micro_batch, 0
+    from colorl.config import micro_batch_tokens
+
+    budget, tokens = micro_batch_tokens(cfg.train, "cpu"), 0
     for length in lengths:  # longest first, as colorl/train/packing.py plans them
         if tokens and tokens + length > budget:
             break
@@ -657,6 +659,8 @@ def padded_budget(prompts: Path, model: str, completions: int, max_new_tokens: i
 def run_frontier(args) -> int:
     """Every point, each repeat interleaved (TRL then colorl at each checkpointing setting); rows are
     added to --add-to's when given, so one system's runs can be taken at another time."""
+    from colorl.config import MICRO_BATCH_TOKENS
+
     path = ROOT / "bench" / "results" / (args.results or "step_frontier.json")
     report = json.loads((ROOT / "bench" / "results" / args.add_to).read_text()) if args.add_to else {"points": {}}
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -691,7 +695,7 @@ def run_frontier(args) -> int:
                 path.write_text(json.dumps(report, indent=2))  # a long sweep keeps what it has
     report.update({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
                    "steps": args.steps, "repeats": args.repeats, "precision": args.precision or "float32",
-                   "trl_padded_budgets": budgets})
+                   "trl_padded_budgets": budgets, "default_budget": MICRO_BATCH_TOKENS["cpu"]})
     path.write_text(json.dumps(report, indent=2))
     print_frontier(report)
     return 0

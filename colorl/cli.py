@@ -121,6 +121,11 @@ def _dry_run(cfg, run_dir: Path, args, spot) -> int:
 
         with pinned(rank_threads(cfg.launch.nproc)):
             print(f"# {choose(cfg, device).line(cfg.model.dtype)}")
+    if cfg.train.max_tokens_per_micro_batch is None:
+        from colorl.config import micro_batch_tokens
+
+        print(f"# micro-batches: {micro_batch_tokens(cfg.train, device)} tokens (train.max_tokens_per_micro_batch: "
+              f"null, {device.split(':')[0]}'s default)")
     return 0
 
 

@@ -106,8 +106,9 @@ class RolloutConfig(Section):
 class TrainConfig(Section):
     lr: float = Field(1.0e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    # micro-batches are cut by tokens (sequences packed, no padding), longest sequences first
-    max_tokens_per_micro_batch: int = Field(2048, ge=1)
+    # micro-batches are cut by tokens (sequences packed, no padding), longest sequences first;
+    # null: the device's default (MICRO_BATCH_TOKENS)
+    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1)
     # rows of the [tokens, vocab] logits the LM head computes at a time (bounds that temporary)
     logits_chunk_tokens: int = Field(512, ge=1)
     grad_clip: float = Field(1.0, gt=0)
@@ -121,6 +122,19 @@ class TrainConfig(Section):
     # gradient reduction stay in model.dtype. null: compute in model.dtype; auto: bf16 where this
     # machine's race says it is faster (colorl/precision.py), else model.dtype
     mixed_precision: Optional[Literal["auto", "bfloat16", "float16"]] = "auto"
+
+
+# train.max_tokens_per_micro_batch where it is null, per device type. On a CPU a micro-batch of
+# about TRL's 8 completions is as fast as 2048 tokens and holds a GiB less, below TRL's peak at
+# equal settings (bench/README.md, "the frontier", issue 31); a GPU's products want more rows.
+MICRO_BATCH_TOKENS = {"cpu": 1024, "cuda": 2048}
+
+
+def micro_batch_tokens(train: TrainConfig, device: str) -> int:
+    """The token budget of one forward/backward on `device` ("cpu", "cuda" or "cuda:N")."""
+    if train.max_tokens_per_micro_batch is not None:
+        return train.max_tokens_per_micro_batch
+    return MICRO_BATCH_TOKENS[device.split(":")[0]]
 
 
 class LossConfig(Section):

@@ -60,6 +60,7 @@ from typing import Callable
 import torch
 
 from colorl import precision
+from colorl.config import micro_batch_tokens
 from colorl.engines.vllm import CPU_KV_BYTES_PER_BLOCK as VLLM_CPU_KV_BYTES_PER_BLOCK
 from colorl.engines.vllm import CPU_KV_DEFAULT_BYTES as VLLM_CPU_KV_DEFAULT_BYTES
 from colorl.exits import fail
@@ -237,8 +238,9 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     """The arithmetic of the module docstring for one config; no advice (see `plan_with_advice`)."""
     world = cfg.launch.nproc
     w = DTYPE_BYTES[cfg.model.dtype]
-    on_cpu = cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available())
-    chosen = precision.choose(cfg, "cpu" if on_cpu else "cuda")
+    device = device_type(cfg)
+    on_cpu = device == "cpu"
+    chosen = precision.choose(cfg, device)
     b = DTYPE_BYTES[chosen.compute] if chosen.compute else w
     lora = cfg.model.lora is not None
     trainable = arch.lora_params if lora else arch.params
@@ -276,7 +278,8 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     kv_tokens = kv // arch.kv_bytes_per_token(e)
     reserve = 0 if on_cpu else RESERVE_BYTES + (SGLANG_RESERVE_BYTES if cfg.rollout.engine == "sglang" else 0)
     offload = cfg.train.offload_optimizer
-    micro_tokens = max(cfg.train.max_tokens_per_micro_batch, seq)  # a micro-batch packs whole sequences
+    budget = micro_batch_tokens(cfg.train, device)
+    micro_tokens = max(budget, seq)  # a micro-batch packs whole sequences
     lines = [
         Line("trainer weights", weights, f"{_count(trainer_params)} params x {w} B / {world} ranks"),
         Line("reference model", reference, "loss.kl_coef > 0" if reference else ""),
@@ -285,8 +288,9 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
              "AdamW, 2 states; on the host between train phases" if offload else "AdamW, 2 states"),
         Line("activations", arch.activation_bytes(micro_tokens, b, cfg.train.logits_chunk_tokens, lora,
                                                   cfg.train.activation_checkpointing),
-             f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} "
-             f"(at least one {seq}-token sequence): {micro_tokens} packed tokens"
+             f"train.max_tokens_per_micro_batch={budget}"
+             + (" (null: this device's default)" if cfg.train.max_tokens_per_micro_batch is None else "")
+             + f" (at least one {seq}-token sequence): {micro_tokens} packed tokens"
              + (", layers checkpointed" if cfg.train.activation_checkpointing else "")),
         Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
              "FSDP2: current + prefetched layer, fp32 grad"),
@@ -336,7 +340,7 @@ def knobs(cfg) -> list[list[tuple[str, Callable]]]:
     if not cfg.train.activation_checkpointing:
         families.append([("train.activation_checkpointing=true",
                           lambda c: _with(c, "train", activation_checkpointing=True))])
-    budgets, budget = [], cfg.train.max_tokens_per_micro_batch
+    budgets, budget = [], micro_batch_tokens(cfg.train, device_type(cfg))
     while budget > 256:
         budget //= 2
         budgets.append((f"train.max_tokens_per_micro_batch={budget}",
@@ -395,11 +399,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * (CARD_GB_REPORTED if unit == "gb" else UNITS[unit]))
 
 
+def device_type(cfg) -> str:
+    """"cpu" or "cuda": where launch.device would put the ranks on this machine (auto: CUDA if any)."""
+    if cfg.launch.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.launch.device
+
+
 def device_memory(cfg, requested: str | None) -> tuple[int, str]:
     """Bytes per device, and where the figure comes from."""
     if requested is not None:
         return parse_size(requested), "--gpu-memory"
-    if cfg.launch.device == "cpu" or (cfg.launch.device == "auto" and not torch.cuda.is_available()):
+    if device_type(cfg) == "cpu":
         from colorl.engines.native.model_runner import _host_available_bytes
 
         return _host_available_bytes() // cfg.launch.nproc, "available host memory / launch.nproc"

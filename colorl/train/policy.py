@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from colorl import precision
+from colorl.config import micro_batch_tokens
 from colorl.heap import HeapKeeper
 from colorl.kernels import TRAINING, use_onednn_linears
 from colorl.models import load_model
@@ -173,7 +174,7 @@ class PolicyTrainer:
         token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         lengths = {i: int(n) for i, n in enumerate(batch.seq_lens.tolist()) if trained[i] > 0}
-        plan = plan_micro_batches(lengths, self.cfg.train.max_tokens_per_micro_batch)
+        plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device))
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
         for indices in split_to_count(plan, lengths, int(count)):
