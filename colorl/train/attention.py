@@ -9,7 +9,11 @@ the installed stack provides (`packed_attention`; the run's start line in events
   which transformers does not count as 2): `colorl_varlen_flash`, torch's own FlashAttention
   varlen kernel (`torch.nn.attention.varlen.varlen_attn`), one call per packed row, no host sync;
 - everywhere else (CPU, float32): `colorl_varlen`, one causal SDPA call per sequence: a single
-  masked SDPA over the whole row would spend T² work on the blocks between sequences.
+  masked SDPA over the whole row would spend T² work on the blocks between sequences. It also runs
+  rows whose samples share their prompt (colorl/train/packing.py, `prompt_of`): the prompt causally,
+  then all its samples in one SDPA call over the prompt and themselves, each sample causal to itself.
+  The varlen kernels on CUDA take only whole sequences: there prompts are not shared
+  (`shares_prompts`).
 
 Being unknown to transformers' mask interface, the colorl ones also make the model skip building
 a [T, T] mask. None of the CUDA kernels has run here (no GPU); their layout is checked on CPU
@@ -30,17 +34,37 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query [1, H, T, d], key/value [1, H_kv, T, d] -> [1, T, H, d], causal within each sequence."""
+                cu_seq_lens_q: torch.Tensor | None = None, prompt_of: list[int] | None = None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, d], key/value [1, H_kv, T, d] -> [1, T, H, d], causal within each sequence; with
+    `prompt_of` (a segment's shared prompt, -1 for none), the segments continuing a prompt follow it in
+    the row and see all of it."""
     if cu_seq_lens_q is None:
         raise ValueError(f"{VARLEN} attention needs cu_seq_lens_q (a packed micro-batch)")
     gqa = query.shape[1] != key.shape[1]
     bounds = cu_seq_lens_q.tolist()
-    parts = [
-        F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                       scale=scaling, is_causal=True, enable_gqa=gqa)
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
+
+    def attend(s: int, e: int, q_start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(query[:, :, q_start:e], key[:, :, s:e], value[:, :, s:e],
+                                              attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                              is_causal=mask is None, enable_gqa=gqa)
+
+    parts, segment = [], 0
+    prompt_of = prompt_of or [-1] * (len(bounds) - 1)
+    while segment < len(bounds) - 1:
+        s, e = bounds[segment], bounds[segment + 1]
+        parts.append(attend(s, e, s))  # a sequence, or a shared prompt
+        children = segment + 1
+        while children < len(prompt_of) and prompt_of[children] == segment:
+            children += 1
+        if children > segment + 1:  # its samples, one call: [prompt | each sample causal to itself]
+            spans = torch.tensor(bounds[segment + 1:children + 1], device=query.device)
+            sample = torch.repeat_interleave(torch.arange(len(spans) - 1, device=query.device), spans.diff())
+            rows = torch.arange(e, bounds[children], device=query.device)
+            own = (sample[:, None] == sample[None, :]) & (rows[:, None] >= rows[None, :])
+            mask = torch.cat([torch.ones(len(rows), e - s, dtype=torch.bool, device=query.device), own], dim=1)
+            parts.append(attend(s, bounds[children], e, mask))
+        segment = children
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -56,6 +80,8 @@ def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         raise ValueError(f"{VARLEN_FLASH} attention needs cu_seq_lens_q and max_length_q (a packed micro-batch)")
     if dropout:
         raise ValueError(f"{VARLEN_FLASH} attention has no dropout (got {dropout})")
+    if kwargs.get("prompt_of") is not None:
+        raise ValueError(f"{VARLEN_FLASH} attention takes whole sequences, not shared prompts (shares_prompts)")
     bounds = cu_seq_lens_q.to(torch.int32)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, H, d]
     out = varlen_attn(q, k, v, bounds, bounds, max_length_q, max_length_q, scale=scaling, window_size=(-1, 0),
@@ -78,3 +104,8 @@ def packed_attention(device: str, dtype: torch.dtype) -> str:
         if dtype in FLASH_DTYPES and importlib.util.find_spec("torch.nn.attention.varlen") is not None:
             return VARLEN_FLASH
     return VARLEN
+
+
+def shares_prompts(attention: str) -> bool:
+    """Whether rows for `attention` (packed_attention's answer) may share a prompt among its samples."""
+    return attention == VARLEN

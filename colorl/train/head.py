@@ -73,6 +73,7 @@ def sampled_token_logprobs(model: torch.nn.Module, micro: MicroBatch, temperatur
     hidden = model.get_decoder()(
         input_ids=micro.input_ids.to(device), position_ids=micro.position_ids.to(device),
         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=micro.max_seqlen, max_length_k=micro.max_seqlen,
+        **({"prompt_of": micro.prompt_of} if micro.prompt_of is not None else {}),
     ).last_hidden_state  # [1, T', H]
     picked = hidden[0].index_select(0, micro.predict_at.to(device))  # [K, H]
     return SampledTokenHead.apply(picked, head.weight, micro.targets.to(device), temperature, chunk)

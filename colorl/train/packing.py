@@ -2,8 +2,16 @@
 
 A micro-batch is one row of tokens, its sequences back to back, position ids restarting at every
 sequence start and attention confined to each sequence (`cu_seqlens`), so no FLOP goes to padding.
-Micro-batches are cut by a token budget from the sequences sorted by length (similar lengths run
-together) and every rank runs the same number of them, because FSDP's collectives are per forward.
+
+A GRPO group's samples share their prompt. Packed with `share_prompts`, sequences of a micro-batch
+whose untrained prefixes are the same tokens run that prefix once: the row holds the prompt, then
+each sample's own tokens (a *child* segment, positions continuing the prompt's), and each child
+attends to the prompt and causally to itself. The prompt's hidden states are the same in every
+sample, so the result is the same; the prompt's forward and backward run once instead of once per
+sample (a third to a half of a step's tokens on the arithmetic tasks).
+
+Micro-batches are cut by a token budget, the sequences sharing a prompt kept together where they fit,
+and every rank runs the same number of them, because FSDP's collectives are per forward.
 """
 from __future__ import annotations
 
@@ -44,6 +52,25 @@ class TrainBatch:
         """Start of every sequence in the token axis, and the end: [N + 1]."""
         return [0, *torch.cumsum(self.seq_lens, 0).tolist()]
 
+    def prompt_lens(self) -> torch.Tensor:
+        """[N] tokens before each sequence's first trained token (all of it where none is trained): the
+        prefix a sequence may share, which no loss term reads a prediction inside of."""
+        lens = self.seq_lens.clone()
+        trained = self.response_mask.bool().nonzero().squeeze(1)
+        if trained.numel():
+            seq_of_token = torch.repeat_interleave(torch.arange(len(self)), self.seq_lens)
+            starts = torch.tensor(self.offsets()[:-1])
+            first = torch.full((len(self),), torch.iinfo(torch.long).max).scatter_reduce(
+                0, seq_of_token[trained], trained, "amin")
+            has = first < torch.iinfo(torch.long).max
+            lens[has] = first[has] - starts[has]
+        return lens
+
+    def prompt_keys(self) -> list[tuple[int, ...]]:
+        """Each sequence's untrained prefix as token ids: equal keys can share one prefix in a packed row."""
+        ids, offsets, lens = self.input_ids.tolist(), self.offsets(), self.prompt_lens().tolist()
+        return [tuple(ids[offsets[i]:offsets[i] + lens[i]]) for i in range(len(self))]
+
     def trained_tokens(self) -> torch.Tensor:
         """[N] response tokens in the loss per sequence (0: a masked-out sequence, never run).
 
@@ -59,10 +86,13 @@ class TrainBatch:
 class MicroBatch:
     """The packed row one forward runs on; K = trained tokens in it."""
 
-    input_ids: torch.Tensor  # [1, T'] its sequences back to back
-    position_ids: torch.Tensor  # [1, T'] restarting at 0 at every sequence start
-    cu_seqlens: torch.Tensor  # [n + 1] int32 sequence boundaries (the varlen attention convention)
+    input_ids: torch.Tensor  # [1, T'] its segments back to back
+    position_ids: torch.Tensor  # [1, T'] restarting at 0 at every sequence start; a child continues its prompt
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 segment boundaries (the varlen attention convention)
     max_seqlen: int
+    # per segment, the segment index of the shared prompt it continues (-1: it starts a sequence);
+    # None: every segment is a whole sequence (no prompt shared)
+    prompt_of: list[int] | None
     predict_at: torch.Tensor  # [K] positions whose next-token distribution the loss reads
     targets: torch.Tensor  # [K] the trained (sampled) tokens, input_ids[0, predict_at + 1]
     behaviour_logp: torch.Tensor  # [K]
@@ -71,19 +101,36 @@ class MicroBatch:
     dummy: bool = False  # a placeholder so every rank runs the same collectives; contributes nothing
 
 
-def plan_micro_batches(lengths: dict[int, int], budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: dict[int, int], budget: int,
+                       prompts: dict[int, tuple[tuple[int, ...], int]] | None = None) -> list[list[int]]:
     """Sequence indices per micro-batch from {index: tokens}: longest first, at most `budget` tokens each.
 
-    A sequence longer than the budget runs alone.
+    With `prompts` ({index: (prompt key, prompt tokens)}, `TrainBatch.prompt_keys`), sequences that share
+    a prompt are planned together, the largest groups first, and a sequence whose prompt is already in
+    the micro-batch costs only its own tokens (`pack(..., share_prompts=True)` lays them out so). A
+    sequence longer than the budget runs alone.
     """
-    plan: list[list[int]] = []
-    used = budget
+    prompts = prompts or {}
+    groups: dict[tuple, list[int]] = {}
     for i in sorted(lengths, key=lambda i: (-lengths[i], i)):
-        if used + lengths[i] > budget:
-            plan.append([])
-            used = 0
-        plan[-1].append(i)
-        used += lengths[i]
+        groups.setdefault(prompts[i][0] if i in prompts else ("alone", i), []).append(i)
+
+    def group_cost(members: list[int]) -> int:
+        shared = prompts[members[0]][1] if members[0] in prompts else 0
+        return sum(lengths[i] for i in members) - shared * (len(members) - 1)
+
+    plan: list[list[int]] = []
+    used, seen = budget, set()
+    for key, members in sorted(groups.items(), key=lambda kv: (-group_cost(kv[1]), kv[1][0])):
+        for i in members:
+            cost = lengths[i] - (prompts[i][1] if key in seen else 0)
+            if used + cost > budget:
+                plan.append([])
+                used, seen = 0, set()
+                cost = lengths[i]
+            plan[-1].append(i)
+            used += cost
+            seen.add(key)
     return plan
 
 
@@ -105,30 +152,62 @@ def split_to_count(plan: list[list[int]], lengths: dict[int, int], count: int) -
     return plan
 
 
-def pack(batch: TrainBatch, indices: list[int], pad_id: int = 0) -> MicroBatch:
-    """The packed row of sequences `indices` of `batch`; no indices: a 2-token placeholder."""
+def pack(batch: TrainBatch, indices: list[int], pad_id: int = 0, share_prompts: bool = False) -> MicroBatch:
+    """The packed row of sequences `indices` of `batch`; no indices: a 2-token placeholder. With
+    `share_prompts`, sequences of `indices` with the same prompt (`TrainBatch.prompt_keys`) run it once."""
     if not indices:
         return _placeholder(pad_id)
     offsets = batch.offsets()
-    spans = [(offsets[i], offsets[i + 1]) for i in indices]
-    token_index = torch.cat([torch.arange(s, e) for s, e in spans])  # [T'] into the batch's token axis
-    lens = torch.tensor([e - s for s, e in spans])
-    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
+    prompt_lens = batch.prompt_lens().tolist()
+    keys = batch.prompt_keys() if share_prompts else None
+    groups: dict[tuple, list[int]] = {}
+    for i in indices:
+        groups.setdefault(keys[i] if keys is not None else ("alone", i), []).append(i)
+    pieces, segments, prompt_of = [], [], []  # (batch token range, first position) per segment
+    row_start = {}  # sequence -> (row index of its prompt's first token or its own, its prompt length in the row)
+    at = 0
+    for members in groups.values():
+        shared = prompt_lens[members[0]] if len(members) > 1 else 0
+        if shared:
+            first = offsets[members[0]]
+            segments.append((first, first + shared, 0))
+            prompt_of.append(-1)
+            parent, prompt_row = len(segments) - 1, at
+            at += shared
+        for i in members:
+            s, e = offsets[i], offsets[i + 1]
+            segments.append((s + shared, e, shared))
+            prompt_of.append(parent if shared else -1)
+            row_start[i] = (prompt_row if shared else at, shared, at)
+            at += e - s - shared
+    token_index = torch.cat([torch.arange(s, e) for s, e, _ in segments])  # [T'] into the batch's token axis
+    lens = torch.tensor([e - s for s, e, _ in segments])
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    position_ids = torch.cat([torch.arange(int(n)) for n in lens])
-    local_seq = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [T']
-    trained = batch.response_mask[token_index].bool() & (position_ids > 0)  # position 0 predicts nothing
-    at = trained.nonzero().squeeze(1)  # positions of trained tokens in the row
+    position_ids = torch.cat([torch.arange(first, first + e - s) for s, e, first in segments])
+    # every trained token of every sequence: the row index that predicts it (the one before it)
+    predict_at, targets_at, seq_ids = [], [], []
+    for local, i in enumerate(indices):
+        s, e = offsets[i], offsets[i + 1]
+        trained = batch.response_mask[s + 1:e].bool().nonzero().squeeze(1) + 1  # positions >= 1 in the sequence
+        prompt_row, shared, own_row = row_start[i]
+        before = trained - 1  # the position whose next-token distribution the loss reads
+        predict_at.append(torch.where(before < shared, prompt_row + before, own_row + before - shared))
+        targets_at.append(s + trained)
+        seq_ids.append(torch.full((len(trained),), local, dtype=torch.long))
+    targets_at = torch.cat(targets_at)
+    seq_ids = torch.cat(seq_ids)
     return MicroBatch(
         input_ids=batch.input_ids[token_index].unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         cu_seqlens=cu,
         max_seqlen=int(lens.max()),
-        predict_at=at - 1,
-        targets=batch.input_ids[token_index[at]],
-        behaviour_logp=batch.behaviour_logp[token_index[at]],
-        advantages=batch.advantages[torch.tensor(indices)][local_seq[at]],
-        seq_ids=local_seq[at],
+        prompt_of=prompt_of if any(p >= 0 for p in prompt_of) else None,
+        predict_at=torch.cat(predict_at),
+        targets=batch.input_ids[targets_at],
+        behaviour_logp=batch.behaviour_logp[targets_at],
+        advantages=batch.advantages[torch.tensor(indices)][seq_ids],
+        seq_ids=seq_ids,
     )
 
 
@@ -136,7 +215,7 @@ def _placeholder(pad_id: int) -> MicroBatch:
     one = torch.zeros(1)
     return MicroBatch(
         input_ids=torch.full((1, 2), pad_id, dtype=torch.long), position_ids=torch.arange(2).unsqueeze(0),
-        cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), max_seqlen=2, predict_at=torch.zeros(1, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), max_seqlen=2, prompt_of=None, predict_at=torch.zeros(1, dtype=torch.long),
         targets=torch.full((1,), pad_id, dtype=torch.long), behaviour_logp=one, advantages=one,
         seq_ids=torch.zeros(1, dtype=torch.long), dummy=True,
     )

@@ -13,7 +13,7 @@ from colorl.config import micro_batch_tokens
 from colorl.heap import HeapKeeper
 from colorl.kernels import TRAINING, use_onednn_linears
 from colorl.models import load_model
-from colorl.train.attention import packed_attention
+from colorl.train.attention import packed_attention, shares_prompts
 from colorl.train.fsdp import add_forward_method, checkpoint_layers, make_mesh, shard_model
 from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.train.head import sampled_token_logprobs
@@ -174,11 +174,13 @@ class PolicyTrainer:
         token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         lengths = {i: int(n) for i, n in enumerate(batch.seq_lens.tolist()) if trained[i] > 0}
-        plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device))
+        share = shares_prompts(self.attention)  # a group's samples run their prompt once
+        prompts = dict(zip(range(len(batch)), zip(batch.prompt_keys(), batch.prompt_lens().tolist()))) if share else None
+        plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device), prompts)
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
         for indices in split_to_count(plan, lengths, int(count)):
-            micro = pack(batch, indices)
+            micro = pack(batch, indices, share_prompts=share)
             logp, entropy = self.token_logprobs(self.model, micro)  # [K]
             per_token, part_stats = grpo_token_loss(
                 logp, micro.behaviour_logp.to(self.device), micro.advantages.to(self.device), torch.ones_like(logp),

@@ -15,14 +15,19 @@ SUM_FIELDS = ("loss", "entropy", "kl_ref")
 STAT_FIELDS = ("tokens", "is_weight_sum", "is_weight_max", "truncated", "clipped", "kl_mu_theta_sum")
 
 
-def mixed_batch(seed: int, n: int = 7, vocab: int = 200, masked: tuple[int, ...] = (2,)) -> TrainBatch:
+def mixed_batch(seed: int, n: int = 7, vocab: int = 200, masked: tuple[int, ...] = (2,), group: int = 1) -> TrainBatch:
     """Prompts of 2-12 tokens, responses of 1-24, behaviour log-probs near the policy's; `masked`
-    sequences (a zero-variance group) carry no trained token."""
+    sequences (a zero-variance group) carry no trained token; each `group` sequences in a row share
+    their prompt (a GRPO group, packed with the prompt once)."""
     g = torch.Generator().manual_seed(seed)
-    sequences = []
+    sequences, prompt = [], []
     for i in range(n):
         p, o = int(torch.randint(2, 13, (1,), generator=g)), int(torch.randint(1, 25, (1,), generator=g))
         ids = torch.randint(3, vocab, (p + o,), generator=g).tolist()
+        if i % group:  # the group's prompt, then this sample's response
+            ids = prompt + ids[p:]
+            p = len(prompt)
+        prompt = ids[:p]
         keep = 0.0 if i in masked else 1.0
         behaviour = (-5.0 + torch.randn(o, generator=g)).tolist()
         sequences.append((ids, [0.0] * p + [keep] * o, [0.0] * p + behaviour))
@@ -91,8 +96,8 @@ def world_cases(rank: int, world: int, model_dir: str, out: str) -> None:
 
 
 def rank_batch(rank: int, seed: int) -> TrainBatch:
-    if rank == 0:
-        return mixed_batch(seed=10 + seed)
+    if rank == 0:  # groups of three samples, each group's prompt run once where they share a micro-batch
+        return mixed_batch(seed=10 + seed, group=3)
     # as many sequences (the reference's micro-batches count sequences), fewer of them trained
     return mixed_batch(seed=20 + seed, masked=(0, 1, 3, 5))
 

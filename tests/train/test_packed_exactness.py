@@ -44,6 +44,23 @@ def test_one_process_packed_equals_padded(tiny_model_dir, sets):
     assert_exact(report, TOLERANCE["fp32"])
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_samples_sharing_their_prompt_equal_the_padded_path(tiny_model_dir, checkpointing):
+    """Groups of three samples of one prompt, packed with the prompt once (colorl/train/packing.py): the
+    same loss, sums and gradients as the padded path, where every sample runs its own prompt."""
+    torch.manual_seed(0)
+    t = trainer(tiny_model_dir, "loss.kl_coef=0.1", "train.lr=1e-3",
+                f"train.activation_checkpointing={str(checkpointing).lower()}")
+    t.train_step(mixed_batch(seed=1, group=3))
+    batch = mixed_batch(seed=2, n=9, group=3, masked=(4,))
+    shared = []
+    forward = t.token_logprobs
+    t.token_logprobs = lambda model, micro: (shared.append(micro.prompt_of is not None), forward(model, micro))[1]
+    report = packed_and_padded(t, batch)
+    assert any(shared)  # some micro-batch ran a prompt once for several samples
+    assert_exact(report, TOLERANCE["fp32"])
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("world2")

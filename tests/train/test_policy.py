@@ -75,3 +75,23 @@ def test_a_cpu_trainer_settles_its_heap_after_each_micro_batch_and_releases_it_a
     assert forwards >= 2  # a 20-token budget: a micro-batch a sequence
     assert calls == ["forward", "settle"] * forwards + ["release"]
 
+
+
+def test_a_null_budget_takes_the_devices_default(tiny_model_dir, monkeypatch):
+    """train.max_tokens_per_micro_batch: null cuts micro-batches at the device's default (1024 tokens on a
+    CPU: colorl/config.py MICRO_BATCH_TOKENS); a set budget wins."""
+    from colorl.config import MICRO_BATCH_TOKENS, micro_batch_tokens
+
+    assert MICRO_BATCH_TOKENS["cpu"] < MICRO_BATCH_TOKENS["cuda"]
+    null = load_config("configs/tiny.yaml", ["train.max_tokens_per_micro_batch=null"], check_paths=False)
+    assert null.train.max_tokens_per_micro_batch is None
+    assert micro_batch_tokens(null.train, "cuda:3") == MICRO_BATCH_TOKENS["cuda"]
+    for sets, budget, packed in (([], MICRO_BATCH_TOKENS["cpu"], [40]), (["train.max_tokens_per_micro_batch=10"], 10, [10] * 4)):
+        trainer = PolicyTrainer(tiny_model_dir, load_config("configs/tiny.yaml", sets, check_paths=False), "cpu")
+        assert micro_batch_tokens(trainer.cfg.train, "cpu") == budget
+        calls = []
+        forward = trainer.token_logprobs
+        monkeypatch.setattr(trainer, "token_logprobs", lambda model, micro: (calls.append(micro.input_ids.shape[1]),
+                                                                             forward(model, micro))[1])
+        trainer.train_step(_batch(n=4, length=10))
+        assert calls == packed  # the micro-batches' packed tokens
