@@ -63,6 +63,8 @@ class PolicyTrainer:
         self.heap = HeapKeeper(HEAP_SLACK_BYTES) if torch.device(device).type == "cpu" else None
         self.compute_dtype = precision.compute_dtype(cfg, device)
         self.attention = packed_attention(device, self.compute_dtype or dtype)  # what runs the packed rows
+        # a group's samples run their prompt once where the attention takes shared prompts (packing.py)
+        self.share_prompts = shares_prompts(self.attention)
         model = self._load(model_dir, dtype)
         if cfg.model.lora is not None:
             model = apply_lora(model, cfg.model.lora)
@@ -174,8 +176,8 @@ class PolicyTrainer:
         token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         lengths = {i: int(n) for i, n in enumerate(batch.seq_lens.tolist()) if trained[i] > 0}
-        share = shares_prompts(self.attention)  # a group's samples run their prompt once
-        prompts = dict(zip(range(len(batch)), zip(batch.prompt_keys(), batch.prompt_lens().tolist()))) if share else None
+        share = self.share_prompts
+        prompts = dict(enumerate(zip(batch.prompt_keys(), batch.prompt_lens().tolist()))) if share else None
         plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device), prompts)
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
