@@ -161,8 +161,9 @@ def pack(batch: TrainBatch, indices: list[int], pad_id: int = 0, share_prompts: 
     prompt_lens = batch.prompt_lens().tolist()
     keys = batch.prompt_keys() if share_prompts else None
     groups: dict[tuple, list[int]] = {}
-    for i in indices:
-        groups.setdefault(keys[i] if keys is not None else ("alone", i), []).append(i)
+    for local, i in enumerate(indices):  # a sequence with nothing trained past its prefix shares nothing
+        shareable = keys is not None and prompt_lens[i] < offsets[i + 1] - offsets[i]
+        groups.setdefault(keys[i] if shareable else ("alone", local), []).append(i)
     pieces, segments, prompt_of = [], [], []  # (batch token range, first position) per segment
     row_start = {}  # sequence -> (row index of its prompt's first token or its own, its prompt length in the row)
     at = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,9 +141,21 @@ def test_config_accepts_a_wandb_section_and_rejects_an_unknown_mode(capsys):
 
 # ---------------------------------------------------------------- the real wandb, offline
 
-def _offline_records(run_dir: Path) -> list:
-    """The records of the run's offline .wandb file: a LevelDB-style log (7-byte header, 32 KiB blocks of
-    chunks, each with a 7-byte crc/length/type header) of wandb's protobuf `Record`s."""
+def _offline_records(run_dir: Path, wait_s: float = 60.0) -> list:
+    """The records of the run's offline .wandb file, once it holds the run's `exit` record: wandb's service
+    process writes the file and may still be flushing it when `finish()` returns (seen on a busy machine:
+    a file without its records yet)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _read_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def _read_records(run_dir: Path) -> list:
+    """A LevelDB-style log (7-byte header, 32 KiB blocks of chunks, each with a 7-byte crc/length/type
+    header) of wandb's protobuf `Record`s."""
     from wandb.proto import wandb_internal_pb2
 
     (file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
@@ -153,6 +166,8 @@ def _offline_records(run_dir: Path) -> list:
         if left < 7 or (length == 0 and kind == 0):  # block padding
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()

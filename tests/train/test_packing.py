@@ -88,6 +88,8 @@ def test_samples_of_one_prompt_run_it_once():
         zip(micro.targets.tolist(), micro.seq_ids.tolist()))
     alone = pack(batch, [0, 1], share_prompts=True)  # no prompt twice in the row: nothing shared
     assert alone.prompt_of is None and alone.input_ids.tolist() == [[5, 6, 7, 20, 21, 8, 9, 22]]
+    untrained = pack(batch, [4, 4], share_prompts=True)  # nothing trained: no sample of its own to share with
+    assert untrained.prompt_of is None and untrained.input_ids.shape[1] == 8
 
 
 def test_shared_prompt_attention_equals_each_sequence_on_its_own():
