@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 from machine import cpu_model  # bench/
+from step import ROOT, SUFFIX  # bench/: the frontier's prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-SUFFIX = "Put the final answer after ####."
 WORKLOADS = {"two_digit": ((10, 99), (20, 64)), "quickstart": ((0, 9), (4, 24))}  # operands, response tokens
 
 

@@ -200,11 +200,10 @@ def holdings(engine, trainer, libraries_mb: float, activations_mb: float) -> dic
 
 def planned_activations_mb(cfg, model, groups) -> float:
     """colorl plan's activations for the step's largest micro-batch (packed whole sequences)."""
+    from colorl.config import micro_batch_tokens
     from colorl.plan import DTYPE_BYTES, Architecture
 
     lengths = sorted((len(r.prompt_ids) + len(r.output_ids) for g in groups for r in g.results), reverse=True)
-    from colorl.config import micro_batch_tokens
-
     budget, tokens = micro_batch_tokens(cfg.train, "cpu"), 0
     for length in lengths:  # longest first, as colorl/train/packing.py plans them
         if tokens and tokens + length > budget:

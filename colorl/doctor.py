@@ -29,6 +29,7 @@ from pathlib import Path
 
 from colorl.exits import EXIT_BAD_INPUT, EXIT_RUN_FAILED, fail, installed_version
 from colorl.heap import resident_bytes
+from colorl.machine import resolve_device
 
 STEPS = 2
 CPU_ENGINES = ("native", "hf")
@@ -284,7 +285,7 @@ def plan_cases(args) -> DoctorPlan:
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: give at least 1 rank")
     cfg = load_config(args.config, list(args.set or [])) if args.config else None
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     notes, user = [], list(args.set or [])
     common = [f"run.steps={STEPS}", "run.save_every=0", "run.eval_every=1", "task.reward=colorl.doctor:graded_reward",
               f"launch.device={device}"]

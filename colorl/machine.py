@@ -76,6 +76,16 @@ def cpu_identity() -> CpuIdentity:
     return CpuIdentity(model or platform.processor() or arch, arch, tuple(identity), flags)
 
 
+def resolve_device(requested: str) -> str:
+    """What launch.device (or --device) `requested` means on this machine: "auto" is CUDA if torch sees a
+    GPU, else the CPU; anything else stays as given."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def torch_capability() -> str:
     """The ISA torch dispatches its own CPU kernels to here ("AVX512", "AVX2", "DEFAULT", ...)."""
     import torch

@@ -64,6 +64,7 @@ from colorl.config import micro_batch_tokens
 from colorl.engines.vllm import CPU_KV_BYTES_PER_BLOCK as VLLM_CPU_KV_BYTES_PER_BLOCK
 from colorl.engines.vllm import CPU_KV_DEFAULT_BYTES as VLLM_CPU_KV_DEFAULT_BYTES
 from colorl.exits import fail
+from colorl.machine import resolve_device
 
 GiB = 2**30
 RESERVE_BYTES = 1 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
@@ -400,10 +401,8 @@ def parse_size(text: str) -> int:
 
 
 def device_type(cfg) -> str:
-    """"cpu" or "cuda": where launch.device would put the ranks on this machine (auto: CUDA if any)."""
-    if cfg.launch.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.launch.device
+    """"cpu" or "cuda": where launch.device would put the ranks on this machine."""
+    return resolve_device(cfg.launch.device)
 
 
 def device_memory(cfg, requested: str | None) -> tuple[int, str]:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from colorl.machine import resolve_device
+
 PROMPTS_CHECKED = 256  # training prompts whose length is checked against the context before launch
 
 
@@ -27,7 +29,7 @@ def check_devices(requested: str, nproc: int, engine: str = "native") -> str:
         reason = unavailable_reason()
         if reason:
             raise MachineCheckFailed(reason)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
+    device = resolve_device(requested)
     if device == "cuda" and not torch.cuda.is_available():
         raise MachineCheckFailed("launch.device=cuda: no CUDA device is available here; use --device cpu")
     if device == "cuda" and nproc > torch.cuda.device_count():

@@ -3,7 +3,7 @@
 A micro-batch is one row of tokens, its sequences back to back, position ids restarting at every
 sequence start and attention confined to each sequence (`cu_seqlens`), so no FLOP goes to padding.
 
-A GRPO group's samples share their prompt. Packed with `share_prompts`, sequences of a micro-batch
+A GRPO group's samples share their prompt. Packed with their `prompts`, sequences of a micro-batch
 whose untrained prefixes are the same tokens run that prefix once: the row holds the prompt, then
 each sample's own tokens (a *child* segment, positions continuing the prompt's), and each child
 attends to the prompt and causally to itself. The prompt's hidden states are the same in every
@@ -66,10 +66,11 @@ class TrainBatch:
             lens[has] = first[has] - starts[has]
         return lens
 
-    def prompt_keys(self) -> list[tuple[int, ...]]:
-        """Each sequence's untrained prefix as token ids: equal keys can share one prefix in a packed row."""
+    def prompts(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        """{sequence: (its untrained prefix as token ids, that prefix's length)}: sequences with equal
+        prefixes can share one in a packed row (`plan_micro_batches` and `pack` take this)."""
         ids, offsets, lens = self.input_ids.tolist(), self.offsets(), self.prompt_lens().tolist()
-        return [tuple(ids[offsets[i]:offsets[i] + lens[i]]) for i in range(len(self))]
+        return {i: (tuple(ids[offsets[i]:offsets[i] + lens[i]]), lens[i]) for i in range(len(self))}
 
     def trained_tokens(self) -> torch.Tensor:
         """[N] response tokens in the loss per sequence (0: a masked-out sequence, never run).
@@ -105,10 +106,9 @@ def plan_micro_batches(lengths: dict[int, int], budget: int,
                        prompts: dict[int, tuple[tuple[int, ...], int]] | None = None) -> list[list[int]]:
     """Sequence indices per micro-batch from {index: tokens}: longest first, at most `budget` tokens each.
 
-    With `prompts` ({index: (prompt key, prompt tokens)}, `TrainBatch.prompt_keys`), sequences that share
-    a prompt are planned together, the largest groups first, and a sequence whose prompt is already in
-    the micro-batch costs only its own tokens (`pack(..., share_prompts=True)` lays them out so). A
-    sequence longer than the budget runs alone.
+    With `prompts` (`TrainBatch.prompts`), sequences that share a prompt are planned together, the largest
+    groups first, and a sequence whose prompt is already in the micro-batch costs only its own tokens
+    (`pack` with the same `prompts` lays them out so). A sequence longer than the budget runs alone.
     """
     prompts = prompts or {}
     groups: dict[tuple, list[int]] = {}
@@ -152,23 +152,22 @@ def split_to_count(plan: list[list[int]], lengths: dict[int, int], count: int) -
     return plan
 
 
-def pack(batch: TrainBatch, indices: list[int], pad_id: int = 0, share_prompts: bool = False) -> MicroBatch:
-    """The packed row of sequences `indices` of `batch`; no indices: a 2-token placeholder. With
-    `share_prompts`, sequences of `indices` with the same prompt (`TrainBatch.prompt_keys`) run it once."""
+def pack(batch: TrainBatch, indices: list[int], pad_id: int = 0,
+         prompts: dict[int, tuple[tuple[int, ...], int]] | None = None) -> MicroBatch:
+    """The packed row of sequences `indices` of `batch`; no indices: a 2-token placeholder. With `prompts`
+    (`TrainBatch.prompts`), sequences of `indices` with the same prompt run it once."""
     if not indices:
         return _placeholder(pad_id)
     offsets = batch.offsets()
-    prompt_lens = batch.prompt_lens().tolist()
-    keys = batch.prompt_keys() if share_prompts else None
     groups: dict[tuple, list[int]] = {}
     for local, i in enumerate(indices):  # a sequence with nothing trained past its prefix shares nothing
-        shareable = keys is not None and prompt_lens[i] < offsets[i + 1] - offsets[i]
-        groups.setdefault(keys[i] if shareable else ("alone", local), []).append(i)
-    pieces, segments, prompt_of = [], [], []  # (batch token range, first position) per segment
-    row_start = {}  # sequence -> (row index of its prompt's first token or its own, its prompt length in the row)
+        shareable = prompts is not None and prompts[i][1] < offsets[i + 1] - offsets[i]
+        groups.setdefault(prompts[i][0] if shareable else ("alone", local), []).append(i)
+    segments, prompt_of = [], []  # (batch token range, first position) per segment
+    row_start = {}  # sequence -> (row of its prompt's first token, its prompt's length there, row of its own first)
     at = 0
     for members in groups.values():
-        shared = prompt_lens[members[0]] if len(members) > 1 else 0
+        shared = prompts[members[0]][1] if len(members) > 1 else 0
         if shared:
             first = offsets[members[0]]
             segments.append((first, first + shared, 0))

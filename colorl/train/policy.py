@@ -176,13 +176,12 @@ class PolicyTrainer:
         token_denom, seq_denom = max(total_tokens, 1.0), max(total_seqs, 1.0)  # all masked: loss 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         lengths = {i: int(n) for i, n in enumerate(batch.seq_lens.tolist()) if trained[i] > 0}
-        share = self.share_prompts
-        prompts = dict(enumerate(zip(batch.prompt_keys(), batch.prompt_lens().tolist()))) if share else None
+        prompts = batch.prompts() if self.share_prompts else None  # a group's samples run their prompt once
         plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device), prompts)
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
         for indices in split_to_count(plan, lengths, int(count)):
-            micro = pack(batch, indices, share_prompts=share)
+            micro = pack(batch, indices, prompts=prompts)
             logp, entropy = self.token_logprobs(self.model, micro)  # [K]
             per_token, part_stats = grpo_token_loss(
                 logp, micro.behaviour_logp.to(self.device), micro.advantages.to(self.device), torch.ones_like(logp),

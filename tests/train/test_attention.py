@@ -2,12 +2,13 @@
 layout, checked on CPU against the per-sequence path (the kernel itself needs CUDA)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers.utils
 from torch.nn.attention import varlen
 
-from colorl.train.attention import VARLEN, VARLEN_FLASH, packed_attention, varlen_flash, varlen_sdpa
+from colorl.train.attention import VARLEN, VARLEN_FLASH, packed_attention, shares_prompts, varlen_flash, varlen_sdpa
 
 
 def test_the_attention_follows_what_the_installed_stack_provides(monkeypatch):
@@ -48,3 +49,14 @@ def test_torchs_varlen_kernel_gets_the_packed_row_in_its_layout(monkeypatch):
     got, _ = varlen_flash(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
     assert got.shape == (1, total, heads, dim)
     torch.testing.assert_close(got, expected)
+
+
+def test_only_the_sdpa_path_runs_shared_prompts():
+    """CUDA's varlen kernels take whole sequences: the trainer does not share prompts there, and the kernel's
+    wrapper refuses a row that does rather than attend a sample without its prompt."""
+    assert shares_prompts(VARLEN) and not shares_prompts(VARLEN_FLASH) and not shares_prompts("flash_attention_2")
+    q = torch.randn(1, 4, 9, 8, dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 9, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole sequences"):
+        varlen_flash(torch.nn.Module(), q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 3, 9]), max_length_q=6,
+                     prompt_of=[-1, 0])

@@ -71,7 +71,7 @@ def _grouped_batch() -> TrainBatch:
 def test_samples_of_one_prompt_run_it_once():
     batch = _grouped_batch()
     assert batch.prompt_lens().tolist() == [3, 2, 3, 3, 4]
-    micro = pack(batch, [3, 1, 0, 2], share_prompts=True)
+    micro = pack(batch, [3, 1, 0, 2], prompts=batch.prompts())
     # the prompt once, then each sample's own tokens at the positions they have in their sequence
     assert micro.input_ids.tolist() == [[5, 6, 7, 24, 25, 26, 20, 21, 23, 8, 9, 22]]
     assert micro.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 3, 0, 1, 2]]
@@ -86,9 +86,9 @@ def test_samples_of_one_prompt_run_it_once():
     assert unshared.prompt_of is None and unshared.input_ids.shape[1] == 18
     assert sorted(zip(unshared.targets.tolist(), unshared.seq_ids.tolist())) == sorted(
         zip(micro.targets.tolist(), micro.seq_ids.tolist()))
-    alone = pack(batch, [0, 1], share_prompts=True)  # no prompt twice in the row: nothing shared
+    alone = pack(batch, [0, 1], prompts=batch.prompts())  # no prompt twice in the row: nothing shared
     assert alone.prompt_of is None and alone.input_ids.tolist() == [[5, 6, 7, 20, 21, 8, 9, 22]]
-    untrained = pack(batch, [4, 4], share_prompts=True)  # nothing trained: no sample of its own to share with
+    untrained = pack(batch, [4, 4], prompts=batch.prompts())  # nothing trained: no sample of its own to share with
     assert untrained.prompt_of is None and untrained.input_ids.shape[1] == 8
 
 
