@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from limits import matmul_rate, read_bandwidth  # bench/
+from limits import MemoryReader, matmul_rate  # bench/
 from machine import cpu_model  # bench/
 
 ROOT = Path(__file__).resolve().parent
@@ -231,9 +231,11 @@ def worker_floor(args) -> dict:
     arithmetic (the step's FLOPs / the dtype's large-matmul rate: the share of the machine's compute the
     step uses, which is what bounds a batch of 32).
 
-    A shared machine's bandwidth moves by half between minutes (10.5 to 15.9 GB/s here), so each limit is
-    measured again just before each round of steps it judges, the rounds interleaved over the batches, and
-    the verdict is the median of the rounds' ratios (each round's kept)."""
+    A shared machine's bandwidth moves by half between minutes (10.5 to 15.9 GB/s here) and a step's time by
+    a fifth between seconds, so each timed step is followed by one reading of the read rate (MemoryReader.once,
+    about a step's time) and judged against the floor of that reading; a round's ratio is the median over its
+    steps, the rounds are interleaved over the batches, and the verdict is the median of the rounds' ratios
+    (each round's kept). The matmul rate is measured just before each round of the batch it judges."""
     import statistics
 
     from colorl.engines.base import GenerationRequest, SamplingParams
@@ -250,27 +252,30 @@ def worker_floor(args) -> dict:
     product_params = spec.num_layers * spec.layer_matrix_elements + spec.vocab_size * spec.hidden_size  # + LM head
     kv_per_token = kv_bytes_per_block(spec, 1, dtype)
     context = len(prompt) + 20  # median context during the timed steps
+    reader = MemoryReader()
     rounds: dict[int, list[dict]] = {batch: [] for batch in FLOOR_BARS}
     for _ in range(args.floor_rounds):
         for batch in FLOOR_BARS:
-            bandwidth = read_bandwidth(0.5)
             rate = matmul_rate(0.3, dtype=dtype) if FLOOR_BARS[batch][0] == "rate" else None
             params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
             for i in range(batch):
                 engine.add(GenerationRequest(f"f{batch}-{len(rounds[batch])}-{i}", prompt, params))
             engine.step()  # prefill
-            times = []
+            steps, readings = [], []
             while engine.has_unfinished():
                 started = time.perf_counter()
                 engine.step()
-                times.append(time.perf_counter() - started)
-            step = statistics.median(times[5:])
-            floor = (weight_bytes + batch * context * kv_per_token) / bandwidth
+                steps.append(time.perf_counter() - started)
+                readings.append(reader.once())
+            steps, readings = steps[5:], readings[5:]
+            floor_bytes = weight_bytes + batch * context * kv_per_token
+            step, bandwidth = statistics.median(steps), statistics.median(readings)
             flops = batch * (2 * product_params + 4 * spec.num_layers * spec.num_heads * spec.head_dim * context)
-            rounds[batch].append({"step_ms": step * 1e3, "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor * 1e3,
-                                  "step_over_floor": step / floor, "gflop_s": flops / step / 1e9,
-                                  **({"matmul_gflop_s": rate / 1e9, "share_of_matmul_rate": flops / step / rate}
-                                     if rate else {})})
+            rounds[batch].append({
+                "step_ms": step * 1e3, "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor_bytes / bandwidth * 1e3,
+                "step_over_floor": statistics.median(t * r / floor_bytes for t, r in zip(steps, readings)),
+                "gflop_s": flops / step / 1e9,
+                **({"matmul_gflop_s": rate / 1e9, "share_of_matmul_rate": flops / step / rate} if rate else {})})
     rows = []
     for batch, runs in rounds.items():
         row = {"batch": batch, "tokens_per_s": batch / statistics.median(r["step_ms"] for r in runs) * 1e3,

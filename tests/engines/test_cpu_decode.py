@@ -18,6 +18,7 @@ from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
 from colorl.engines.native.model import AttentionGroup, _rotate, paged_attention
 from colorl.kernels import onednn_chosen
+from colorl.threads import pinned
 
 # where the loops must build: Linux on x86 with GCC (CI's machines); elsewhere a missing build skips, with its reason
 EXPECTS_LOOPS = (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -207,13 +208,13 @@ def test_a_whole_layer_with_a_bad_slot_raises_and_computes_nothing_past_it(compi
     """The whole-layer call checks its step's indices in C too, and returns the first error of its loops."""
     monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, cpu_decode.MAX_ROWS + 1)))
     eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4))
-    original = cpu_decode.CpuDecode.decode_layer
+    original = cpu_decode.CpuDecode.decode_layers
 
-    def corrupt(self, x, delta, layer, step, scratch):
+    def corrupt(self, x, layers, step, scratch):
         step.num_slots = 0  # as if every slot of the step were past the cache
-        return original(self, x, delta, layer, step, scratch)
+        return original(self, x, layers, step, scratch)
 
-    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer", corrupt)
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers", corrupt)
     with pytest.raises(IndexError, match="outside the cache"):
         eng.generate([GenerationRequest("a", [10, 11, 12], SamplingParams(temperature=0.0, max_new_tokens=3,
                                                                               ignore_eos=True))])
@@ -267,9 +268,9 @@ def test_whole_layer_decode_equals_the_per_operation_loops(compiled, tiny_model_
     prefill, or more rows than the rows kernel won, take the per-operation path."""
     monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 4)))
     calls = []
-    whole_layer = cpu_decode.CpuDecode.decode_layer
-    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer",
-                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layer(self, x, *rest))
+    whole_layers = cpu_decode.CpuDecode.decode_layers
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers",
+                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layers(self, x, *rest))
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 6, 9)]
     outputs = []
     for per_operation in (False, True):
@@ -411,9 +412,9 @@ def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled,
     to the per-operation path over the same panels; the panels are made again after a weight load."""
     monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 13)))
     calls = []
-    whole_layer = cpu_decode.CpuDecode.decode_layer
-    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layer",
-                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layer(self, x, *rest))
+    whole_layers = cpu_decode.CpuDecode.decode_layers
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers",
+                        lambda self, x, *rest: calls.append(x.shape[0]) or whole_layers(self, x, *rest))
     prompts = [list(range(10, 10 + n)) for n in range(3, 15)]  # 12 sequences
     outputs = []
     for per_operation in (False, True):
@@ -443,3 +444,41 @@ def test_without_the_loops_the_engine_runs_torch_and_says_why(env, said, tmp_pat
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "decode loops" in line]
     assert (len(lines) == 1 and said in lines[0]) if said else not lines
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152, 7])  # not a multiple of the chunk; SmolLM2's; one partial chunk
+def test_compiled_sampler_draws_what_the_torch_sampler_draws(compiled, vocab):
+    """The compiled plain sampler takes the two-level inverse CDF's steps: the same token for the same u (but
+    where u falls within float rounding of a boundary) and the same log-prob, on 1 and 2 threads."""
+    from colorl.engines.native.sampler import Sampler
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = 3 * torch.randn(300, vocab, generator=generator)
+    u = torch.rand(300, generator=generator, dtype=torch.float64).clamp_(min=1e-12)
+    expected, expected_logps = Sampler._inverse_cdf_two_level(logits, u[:, None])
+    for threads in (1, 2):
+        with pinned(threads):
+            tokens, logps = compiled.sample_plain(logits, u)
+        assert (tokens == expected).float().mean() > 0.99
+        same = tokens == expected
+        torch.testing.assert_close(logps[same], expected_logps[same], atol=2e-5, rtol=1e-5)
+        assert ((tokens >= 0) & (tokens < vocab)).all()
+    edges = torch.tensor([1.0, 1e-300], dtype=torch.float64)  # the last token's mass; the first token
+    tokens, _ = compiled.sample_plain(torch.zeros(2, vocab), edges)
+    assert tokens.tolist() == [vocab - 1, 0]
+
+
+def test_engine_samples_through_the_compiled_sampler_only_with_the_loops(compiled, tiny_model_dir, monkeypatch):
+    """Plain rows (no top-k/top-p) are drawn by the compiled sampler when the model runs its compiled loops,
+    and by torch's operators when it does not (the reference path); rows with top-p always by torch's."""
+    calls = []
+    original = cpu_decode.CpuDecode.sample_plain
+    monkeypatch.setattr(cpu_decode.CpuDecode, "sample_plain",
+                        lambda self, z, u: calls.append(z.shape[0]) or original(self, z, u))
+    for use_compiled, top_p, drawn in ((True, 1.0, True), (False, 1.0, False), (True, 0.9, False)):
+        calls.clear()
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=32, block_size=4))
+        eng.model.use_compiled = use_compiled
+        eng.generate([GenerationRequest("a", [10, 11, 12], SamplingParams(temperature=1.0, top_p=top_p,
+                                                                          max_new_tokens=3, ignore_eos=True))])
+        assert bool(calls) == drawn, (use_compiled, top_p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,6 +303,43 @@ def test_the_cpu_kv_pool_is_a_mapping_of_its_own_given_back_at_sleep(model_dir, 
     assert _mapping_of(address) is None  # its pages went back to the system
     eng.wake()
     assert eng.generate(requests([PROMPTS[0]]))[0].output_ids
+
+
+def _advised_huge(address: int) -> bool:
+    """Whether the mapping holding `address` was advised for huge pages (smaps' VmFlags `hg`)."""
+    entry = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            entry = start <= address < end
+        elif entry and line.startswith("VmFlags:"):
+            return "hg" in head[1:]
+    return False
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages")
+def test_cpu_weights_share_one_mapping_advised_for_huge_pages(model_dir, kept_heap):
+    """A decode step streams every weight once; from 2 MB pages one Zen 3 core read them 1.2-1.35x faster
+    (host_memory.py). The weights sit off the heap in one advised mapping when built, and again when a
+    full load brings them back after sleep level 2; the KV pool stays on small pages."""
+    eng = engine(model_dir)
+    first = eng.generate(requests(PROMPTS))
+    for _ in range(2):
+        addresses = [p.data_ptr() for p in eng.model.parameters()]
+        assert len({_mapping_of(a) for a in addresses}) == 1 and "[heap]" not in _mapping_of(addresses[0])
+        assert all(_advised_huge(a) for a in addresses)
+        assert not _advised_huge(eng.runner.kv_cache.data_ptr())
+        served = {name: t.clone() for name, t in eng.named_weights().items()}
+        eng.sleep(2)
+        assert _mapping_of(addresses[0]) is None  # released: the mapping went back to the system
+        targets = eng.full_load_targets()
+        for name, tensor in served.items():
+            targets[name].copy_(tensor)
+        del targets  # views of the new mapping: held, they would keep it past the next release
+        eng.version += 1
+        eng.wake()
+    assert [r.output_ids for r in eng.generate(requests(PROMPTS, prefix="b"))] == [r.output_ids for r in first]
 
 
 def test_a_load_of_every_weight_brings_released_weights_back(model_dir, hf):

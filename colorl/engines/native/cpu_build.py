@@ -64,6 +64,12 @@ for name, x, y in (("colorl_silu_mul_f32", f, out), ("colorl_silu_mul_bf16", h, 
     fn = getattr(lib, name)
     fn.argtypes = [p, p, i64, i64]
     fn(x, y, 2, 16)
+fn = lib.colorl_sample_plain
+fn.argtypes = [p, i64, i64, p, p, p, ctypes.c_int]
+u = (ctypes.c_double * 2)(0.5, 1.0)
+tokens = (ctypes.c_int64 * 2)()
+if fn(f, 2, 32, u, tokens, out, 1) != 0 or not all(0 <= t < 32 for t in tokens):
+    sys.exit(3)
 print("ok")
 """
 

@@ -42,7 +42,7 @@ _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's tensors for `decode_layer` (cpu_decode.c's decode_layer_t): data pointers,
+    """One decoder layer's tensors for `decode_layers` (cpu_decode.c's decode_layer_t): data pointers,
     None for an absent bias."""
     _fields_ = [(name, _p) for name in ("input_norm", "w_qkv", "b_qkv", "w_o", "b_o", "post_norm", "w_gate_up",
                                         "b_gate_up", "w_down", "b_down", "cache", "p_qkv", "p_o", "p_gate_up",
@@ -59,7 +59,7 @@ def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, tor
     for name, packed in panels.items():
         check_tensors(dtype, **{name: packed})
         if packed.numel() != panel_elements(*tensors[name].shape):
-            raise ValueError(f"compiled decode_layer: {name}'s panels do not match its matrix")
+            raise ValueError(f"compiled decode_layers: {name}'s panels do not match its matrix")
     return DecodeLayer(**{name: _ptr(tensor) for name, tensor in tensors.items()}, cache=cache.data_ptr(),
                        **{"p" + name[1:]: _ptr(packed) for name, packed in panels.items()})
 
@@ -84,7 +84,7 @@ _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_silu_mul": ([_p, _p, _i64, _i64], None),
     "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64], _int),
     "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int, _i64], _int),
-    "colorl_decode_layer": ([_p, _p, _p, _p, ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeStep)], _int),
+    "colorl_decode_layers": ([_p, _p, _p, ctypes.POINTER(DecodeLayer), _i64, ctypes.POINTER(DecodeStep)], _int),
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one of these
@@ -144,6 +144,8 @@ class CpuDecode:
             for dtype, suffix in SUFFIXES.items():
                 function = self._functions[name, dtype] = getattr(library, name + suffix)
                 function.argtypes, function.restype = args, result
+        self._sample_plain = library.colorl_sample_plain  # float32 logits only
+        self._sample_plain.argtypes, self._sample_plain.restype = [_p, _i64, _i64, _p, _p, _p, _int], _int
 
     def rows_won(self, dtype: torch.dtype) -> frozenset[int]:
         """Row counts at which the loops' products (`linear` up to MAX_ROWS rows, `panel_linear` above)
@@ -217,7 +219,7 @@ class CpuDecode:
         """`weight` [N, K] in the panels `panel_linear` reads (cpu_decode_loops.h): a copy, made once per
         weight version."""
         check_tensors(weight.dtype, weight=weight)
-        panels = mapped_empty((panel_elements(*weight.shape),), weight.dtype)  # outside the heap: host_memory.py
+        panels = mapped_empty((panel_elements(*weight.shape),), weight.dtype, huge=True)  # host_memory.py
         self._functions["colorl_pack_panels", weight.dtype](_ptr(weight), _ptr(panels), weight.shape[0],
                                                              weight.shape[1], torch.get_num_threads())
         return panels
@@ -289,20 +291,41 @@ class CpuDecode:
         return out
 
 
-    def decode_layer(self, x: torch.Tensor, delta: torch.Tensor | None, layer: DecodeLayer, step: DecodeStep,
-                     scratch: torch.Tensor) -> torch.Tensor:
-        """A whole decoder layer for a decode step of step.tokens sequences (cpu_decode_loops.h; above
-        MAX_ROWS `layer` must carry the matrices' panels):
-        x [T, C] += delta and the attention output, in place; returns the layer's MLP output [T, C].
-        `layer` comes from `layer_tensors`, which checks what it points to; the caller checks `step`'s.
-        Not timed by kind: a bench's split runs the per-operation path instead (model.py)."""
-        check_tensors(x.dtype, x=x, delta=delta, scratch=scratch)
-        if x.shape != (step.tokens, step.hidden) or (delta is not None and delta.shape != x.shape):
-            raise ValueError("compiled decode_layer: x, delta and the step's shapes do not agree")
+    def sample_plain(self, z: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of z [N, V] (float32 logits, already divided by the row's temperature), the token drawn
+        from softmax(z) at u [N] (float64, in (0, 1]) by inverse CDF in vocabulary order, and its log-prob:
+        sampler.py's `Sampler._inverse_cdf_two_level`, the same steps in one call, equal to float32 rounding."""
+        check_tensors(torch.float32, z=z)
+        check_tensors(torch.float64, u=u)
+        if z.dim() != 2 or u.shape != z.shape[:1]:
+            raise ValueError(f"compiled sample_plain: z {tuple(z.shape)} and u {tuple(u.shape)} do not agree")
+        tokens = torch.empty(z.shape[0], dtype=torch.int64)
+        logps = torch.empty(z.shape[0], dtype=torch.float32)
+        _raise_for(self._sample_plain(_ptr(z), z.shape[0], z.shape[1], _ptr(u), _ptr(tokens), _ptr(logps),
+                                      torch.get_num_threads()))
+        return tokens, logps
+
+    def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, step: DecodeStep,
+                      scratch: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer of a decode step of step.tokens sequences, in one call (cpu_decode_loops.h;
+        above MAX_ROWS each layer must carry the matrices' panels): x [T, C] gets each layer's attention and
+        MLP outputs added, in place, but the last layer's MLP output, which is returned [T, C]. `layers`: an
+        array of `layer_tensors`' results, which checked what they point to; the caller checks `step`'s;
+        scratch: `decode_scratch_values` of the step. Not timed by kind: a bench's split runs the
+        per-operation path instead (model.py)."""
+        check_tensors(x.dtype, x=x, scratch=scratch)
+        if x.shape != (step.tokens, step.hidden) or scratch.numel() < decode_scratch_values(step):
+            raise ValueError("compiled decode_layers: x, the scratch and the step's shapes do not agree")
         out = torch.empty_like(x)
-        _raise_for(self._functions["colorl_decode_layer", x.dtype](_ptr(x), _ptr(delta), _ptr(out), _ptr(scratch),
-                                                                   ctypes.byref(layer), ctypes.byref(step)))
+        _raise_for(self._functions["colorl_decode_layers", x.dtype](_ptr(x), _ptr(out), _ptr(scratch), layers,
+                                                                    len(layers), ctypes.byref(step)))
         return out
+
+
+def decode_scratch_values(step: DecodeStep) -> int:
+    """The values `decode_layers` needs as scratch: two layers' outputs, then one layer's intermediates."""
+    width = (step.heads + 2 * step.kv_heads) * step.head_dim
+    return step.tokens * (4 * step.hidden + width + step.heads * step.head_dim + 3 * step.intermediate)
 
 
 def forced_rows() -> frozenset[int] | None:

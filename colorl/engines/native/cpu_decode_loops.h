@@ -291,6 +291,23 @@ int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scra
     return NAMED(product)(act, l->w_down, l->p_down, l->b_down, out, T, C, I, s->threads);
 }
 
+/* Every layer of a decode step, in order, in one call (a call per layer cost 30-50 us of Python and ctypes
+ * each: 2-3 % of a batch-1 step of a 135M model). Each layer takes the previous one's MLP output as its
+ * delta (none for the first); out receives the last one's. scratch: 2 T C values for the layers' outputs,
+ * in turn, then one layer's scratch (colorl_decode_layer). */
+int NAMED(colorl_decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+                                const decode_step_t *s) {
+    int64_t size = s->tokens * s->hidden;
+    const ELEM *delta = NULL;
+    for (int64_t i = 0; i < count; i++) {
+        ELEM *mlp = i == count - 1 ? out : scratch + (i % 2) * size;
+        int code = NAMED(colorl_decode_layer)(x, delta, mlp, scratch + 2 * size, &layers[i], s);
+        if (code) return code;
+        delta = mlp;
+    }
+    return 0;
+}
+
 #undef NAMED
 #undef LOOP_NAME
 #undef LOOP_NAME_

@@ -37,7 +37,7 @@ import torch
 
 from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, SamplingParams
 from colorl.engines.native.block_manager import BlockManager
-from colorl.engines.native.host_memory import engine_empty
+from colorl.engines.native.host_memory import mapped_tensors
 from colorl.engines.native.model import CausalLM, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
 from colorl.engines.native.sampler import Sampler, SampleRow
@@ -163,7 +163,8 @@ class NativeEngine(Engine):
         if batch.seqs:
             started = time.perf_counter()
             logits, rows = self.runner.run(batch)  # [N, V], batch index of each row
-            tokens, logps = self.sampler(logits, [self._sample_row(batch.seqs[i]) for i in rows])
+            tokens, logps = self.sampler(logits, [self._sample_row(batch.seqs[i]) for i in rows],
+                                         self.model.compiled(torch.float32, self.device))
             sampled = dict(zip(rows, zip(tokens, logps)))
             self.num_computed_tokens += sum(batch.num_tokens)
             self.num_generated_tokens += len(sampled)
@@ -335,14 +336,29 @@ def _build_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model.to(device)  # RoPE tables built from HF helpers on the CPU
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    if device.type == "cpu":  # on huge pages (host_memory.py), the values kept
+        placed = _weight_storage(model, {name: param.shape for name, param in model.named_parameters()})
+        for name, param in model.named_parameters():
+            param.data = placed[name].copy_(param.data)
     return model
+
+
+def _weight_storage(model: CausalLM, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Unwritten CPU storage for every parameter: one mapping per dtype, outside the heap, on huge pages
+    where the kernel gives them (host_memory.py)."""
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    out = {}
+    for dtype in set(dtypes.values()):
+        out.update(mapped_tensors({name: tuple(shapes[name]) for name in shapes if dtypes[name] == dtype}, dtype))
+    return out
 
 
 def _allocate_parameters(model: CausalLM, shapes: Mapping[str, torch.Size]) -> None:
     """Fresh, unwritten storage of each parameter's full shape (after `NativeEngine._release`), outside
-    the heap on CPU (host_memory.py)."""
+    the heap on CPU, on huge pages where the kernel gives them (host_memory.py)."""
+    placed = _weight_storage(model, shapes) if next(model.parameters()).device.type == "cpu" else {}
     for name, param in model.named_parameters():
-        param.data = engine_empty(shapes[name], param.dtype, param.device)
+        param.data = placed[name] if placed else torch.empty(shapes[name], dtype=param.dtype, device=param.device)
 
 
 def _move_parameters(model: CausalLM, device: torch.device) -> None:

@@ -13,7 +13,7 @@ dict loads without conversion. Layout choices, invisible from outside:
 - float32 or bfloat16 on CPU, the decode step's loops run compiled for this machine where it has
   a C compiler (`cpu_decode.py`): products over a few rows, RoPE with the KV write, the residual
   add fused with the next RMSNorm, SiLU-gating, and attention read straight from the block
-  table; a step of one-token decodes runs each layer as one compiled call. The torch operators
+  table; a step of one-token decodes runs all its layers in one compiled call. The torch operators
   below are the same maths for every other case (and the reference the tests hold the compiled
   loops to).
 """
@@ -334,7 +334,7 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h, compiled)
 
     def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, tokens: int) -> cpu_decode.DecodeLayer:
-        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layer`) of `tokens`
+        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layers`) of `tokens`
         sequences: with its matrices' panels above the rows kernel's MAX_ROWS. Checked and built once per
         storage: kept while every pointer in it (weights, cache, panels) is the same, as it is from one
         decode step to the next (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
@@ -387,11 +387,10 @@ class CausalLM(nn.Module):
         delta = None
         started = time.perf_counter()
         fused = self._whole_layers(step, compiled, x, kv_cache.shape[1])
-        if fused is not None:  # one compiled call per layer
+        if fused is not None:  # one compiled call for every layer
             inputs, scratch = fused
-            for layer, cache in zip(self.layers, kv_cache):
-                delta = compiled.decode_layer(x, delta, layer.compiled_tensors(cache, compiled, x.shape[0]), inputs,
-                                              scratch)
+            layers = [layer.compiled_tensors(cache, compiled, x.shape[0]) for layer, cache in zip(self.layers, kv_cache)]
+            delta = compiled.decode_layers(x, (cpu_decode.DecodeLayer * len(layers))(*layers), inputs, scratch)
         else:
             for layer, cache in zip(self.layers, kv_cache):
                 x, delta = layer(x, delta, cos, sin, cache, step, compiled)
@@ -415,7 +414,6 @@ class CausalLM(nn.Module):
                 or not compiled.takes(tokens, x.dtype)):
             return None
         group = step.groups[0]
-        width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         cpu_decode.check_tensors(torch.int64, positions=step.positions, slots=step.slot_mapping,
                                  tables=group.block_tables, lengths=group.lengths)
         cpu_decode.check_tensors(torch.float32, cos=self.rotary.cos, sin=self.rotary.sin)
@@ -425,9 +423,7 @@ class CausalLM(nn.Module):
             num_slots=slots, num_positions=self.rotary.cos.shape[0], cos=self.rotary.cos.data_ptr(), sin=self.rotary.sin.data_ptr(), positions=step.positions.data_ptr(),
             slots=step.slot_mapping.data_ptr(), tables=group.block_tables.data_ptr(), lengths=group.lengths.data_ptr(),
             eps=s.rms_norm_eps, scale=self.layers[0].self_attn.scale, threads=torch.get_num_threads())
-        scratch = torch.empty(tokens * (2 * s.hidden_size + width + s.num_heads * s.head_dim + 3 * s.intermediate_size),
-                              dtype=x.dtype)
-        return inputs, scratch
+        return inputs, torch.empty(cpu_decode.decode_scratch_values(inputs), dtype=x.dtype)
 
     def _observe_decode(self, step: StepInputs, compiled: CpuDecode, dtype: torch.dtype, seconds: float) -> None:
         """Hands a step of one-token decodes' time over its layers to the check of the rows verdict it ran by

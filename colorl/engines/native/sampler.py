@@ -47,8 +47,10 @@ class SampleRow:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
-        """logits: [N, V] float32, one row per sequence that samples this step. Returns tokens, log-probs."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], compiled=None) -> tuple[list[int], list[float]]:
+        """logits: [N, V] float32, one row per sequence that samples this step. Returns tokens, log-probs.
+        compiled: the native engine's compiled loops (cpu_decode.CpuDecode), which draw the rows without
+        top-k/top-p on CPU in one call; None: torch's operators."""
         logits = logits.float()
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         logps = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
@@ -67,17 +69,20 @@ class Sampler:
             if group:
                 index = torch.tensor(group, device=logits.device)
                 picked = logits if len(group) == len(rows) else logits.index_select(0, index)  # all rows: no copy
-                chosen, logp = self._sample(picked, [rows[i] for i in group], use_filters)
+                chosen, logp = self._sample(picked, [rows[i] for i in group], use_filters, compiled)
                 tokens[index] = chosen
                 logps[index] = logp
         return tokens.tolist(), logps.tolist()
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], filtered: bool,
+                compiled=None) -> tuple[torch.Tensor, torch.Tensor]:
         device = logits.device
         u = torch.tensor([uniform(r.seed, r.index) for r in rows], dtype=torch.float64, device=device)[:, None]
         temperatures = [r.temperature for r in rows]
         z = logits if all(t == 1.0 for t in temperatures) else logits / torch.tensor(temperatures, device=device)[:, None]
         if not filtered:
+            if compiled is not None and z.device.type == "cpu" and z.is_contiguous():
+                return compiled.sample_plain(z, u.squeeze(-1))
             return self._inverse_cdf_two_level(z, u)
         z, order = z.sort(dim=-1, descending=True, stable=True)  # [N, V], ranks -> token ids
         z = self._mask_top_k_top_p(z, rows)
