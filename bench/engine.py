@@ -16,10 +16,11 @@ tokens (the hf backend pads every batch to its longest request; the padding is n
 
 Decode floor: a decode step must read every weight once, plus the KV of every running sequence,
 so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth measured here
-(a sum over a 512 MiB tensor, same thread count). The ratio step / floor says how far the native
-decode step is from memory-bound ideal at batch 1, 8 and 32. Each limit is measured again before each
-round of steps it judges (--floor-rounds, default 5, interleaved over the batches): the verdict is the
-median of the rounds' ratios, with their range.
+(a sum over a 512 MiB tensor on the heap's pages and on huge pages, the faster, same thread count:
+bench/limits.py). The ratio step / floor says how far the native decode step is from memory-bound
+ideal at batch 1, 8 and 32. Each timed step is followed by one reading of the bandwidth and judged
+against it; a round's ratio is the median over its steps (--floor-rounds, default 5, interleaved over
+the batches), and the verdict is the median of the rounds' ratios, with their range.
 
 With --split each rollout also runs once more under torch.profiler, and the decode time is split
 by what the operators do (products, attention, KV writes, elementwise, sampling; the rest of the

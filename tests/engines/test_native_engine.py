@@ -320,8 +320,8 @@ def _advised_huge(address: int) -> bool:
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages")
 def test_cpu_weights_share_one_mapping_advised_for_huge_pages(model_dir, kept_heap):
-    """A decode step streams every weight once; from 2 MB pages one Zen 3 core read them 1.2-1.35x faster
-    (host_memory.py). The weights sit off the heap in one advised mapping when built, and again when a
+    """A decode step streams every weight once; with them on 2 MB pages a step ran 1.04-1.13x faster on one
+    Zen 3 (bench/decode_step.py). The weights sit off the heap in one advised mapping when built, and again when a
     full load brings them back after sleep level 2; the KV pool stays on small pages."""
     eng = engine(model_dir)
     first = eng.generate(requests(PROMPTS))

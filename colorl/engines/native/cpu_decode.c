@@ -412,7 +412,8 @@ static float *thread_scratch(int64_t n) { /* NULL when memory runs out */
 /* ---------------------------------------------------------------- sampling
  * A token drawn from softmax(z) for each of N rows of float32 logits z [N, V], by inverse CDF in
  * vocabulary order at u[row] (sampler.py's _inverse_cdf_two_level, the same steps without its twenty torch
- * operators: 1.3 ms of a 42 ms batch-1 step on one Zen 3 core, 3 ms at batch 8): the row's largest logit
+ * operators, which took 1.2 ms of a batch-1 step on one Zen 3 core, 2.3 ms at batch 8, 2.2-2.7x this call:
+ * bench/decode_step.py): the row's largest logit
  * `top`, each e^(z - top) in float32, their sums per SAMPLE_CHUNK tokens in float32 and the running total
  * of those in float64, the first chunk whose running total reaches u * total, then the first token inside
  * it whose float64 running total reaches the rest. logps[row] = z[token] - top - log(total). */

@@ -10,8 +10,8 @@ when they are freed and the heap holds the trainer's memory only.
 
 Weights (and their panel copies) ask the kernel for huge pages (transparent huge pages, `madvise`
 mode): a decode step streams every weight once, and with 4 KB pages the hardware prefetchers stop at
-every page and the TLB misses on every one. On the project's Zen 3 one core read weights 1.2-1.35x
-faster from 2 MB pages (bench/README.md, "Weights on huge pages"). Where THP is off the advice is
+every page and the TLB misses on every one. On the project's Zen 3 a decode step ran 1.04-1.13x faster
+with its weights on 2 MB pages (bench/decode_step.py; bench/README.md, "Weights on huge pages"). Where THP is off the advice is
 ignored and nothing changes; the KV pool stays on small pages (touched a few blocks at a time, huge
 pages would make its resident memory grow by 2 MB at a time).
 """

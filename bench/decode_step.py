@@ -1,0 +1,153 @@
+"""Where a native decode step's time goes on CPU, and what each of its CPU-side choices is worth, side by side
+in one process on SmolLM2-135M (issue 31 item 1).
+
+    python bench/decode_step.py                    # 1 thread, float32, batches 1 and 8, 5 rounds (~3 min)
+    python bench/decode_step.py --threads 2 --rounds 7
+
+Two choices, each against its baseline, the rounds interleaved so that both see the same neighbours on a
+shared machine (the verdict is the median of the rounds' ratios):
+- pages: the engine's weights in one mapping advised for huge pages (colorl's default,
+  engines/native/host_memory.py) against the same weights copied onto the heap's small pages; the
+  `sum` of a 512 MiB tensor on either kind of page is printed beside it (bench/limits.py);
+- sampler: the compiled plain sampler (cpu_decode.c, `sample_plain`) against torch's operators
+  (`Sampler._inverse_cdf_two_level`), timed as the step's sampling call.
+Each step is also split into the model's forward and the rest (scheduling, sampling, results).
+
+Results: bench/results/decode_step.json; summary in bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import QUESTIONS, make_engine  # bench/
+from limits import MemoryReader  # bench/
+from machine import cpu_model  # bench/
+
+ROOT = Path(__file__).resolve().parent
+
+
+def place_weights(model, huge: bool) -> None:
+    """The model's weights on huge pages (as the engine places them) or copied onto the heap."""
+    from colorl.engines.native.engine import _weight_storage
+
+    params = dict(model.named_parameters())
+    placed = _weight_storage(model, {n: p.shape for n, p in params.items()}) if huge else {}
+    for name, param in params.items():
+        param.data = placed[name].copy_(param.data) if huge else param.data.clone()
+
+
+def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sampler: bool) -> dict:
+    """One decode run of `batch` sequences: median step, forward and sampling times (ms) after a warm-up."""
+    from colorl.engines.base import GenerationRequest, SamplingParams
+
+    forward, sample = [], []
+    model_forward, sampler = engine.model.forward, engine.sampler
+
+    def timed_forward(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            forward.append(time.perf_counter() - started)
+
+    def timed_sampler(logits, rows, compiled=None):
+        started = time.perf_counter()
+        try:
+            return sampler(logits, rows, compiled if compiled_sampler else None)
+        finally:
+            sample.append(time.perf_counter() - started)
+
+    engine.model.forward, engine.sampler = timed_forward, timed_sampler
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
+        for i in range(batch):
+            engine.add(GenerationRequest(f"{tag}-{i}", prompt, params))
+        engine.step()  # prefill
+        steps = []
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - started)
+    finally:
+        engine.model.forward, engine.sampler = model_forward, sampler
+    skip = 3
+    return {"step_ms": statistics.median(steps[skip:]) * 1e3, "forward_ms": statistics.median(forward[1 + skip:]) * 1e3,
+            "sampling_ms": statistics.median(sample[1 + skip:]) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--out", default=str(ROOT / "results" / "decode_step.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("smollm2-135m-instruct")
+    engine = make_engine("native", model_dir, torch.float32)
+    if engine.model.compiled(torch.float32, torch.device("cpu")) is None:
+        sys.exit("decode_step: the native engine's compiled loops are not used here; nothing to compare")
+    prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
+    reader = MemoryReader()
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds = []
+    for index in range(args.rounds):
+        heap_sum, huge_sum = (reader.buffers[0].nbytes / _time_sum(b) for b in reader.buffers)
+        record = {"heap_sum_gb_s": heap_sum / 1e9, "huge_sum_gb_s": huge_sum / 1e9}
+        for batch in batches:
+            for huge in (False, True):
+                place_weights(engine.model, huge)
+                for compiled_sampler in ((False, True) if huge else (True,)):
+                    key = f"b{batch}_{'huge' if huge else 'heap'}_{'compiled' if compiled_sampler else 'torch'}_sampler"
+                    record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", compiled_sampler)
+        rounds.append(record)
+    place_weights(engine.model, True)
+
+    summary = {}
+    print(f"{cpu_model()}, {args.threads} threads, float32, SmolLM2-135M, {args.rounds} rounds (median of per-round ratios)")
+    print(f"sum of 512 MiB: heap pages {statistics.median(r['heap_sum_gb_s'] for r in rounds):.1f} GB/s, huge pages "
+          f"{statistics.median(r['huge_sum_gb_s'] for r in rounds):.1f} GB/s, huge / heap "
+          f"{statistics.median(r['huge_sum_gb_s'] / r['heap_sum_gb_s'] for r in rounds):.2f}x")
+    print("| batch | step, heap pages | step, huge pages | heap / huge | sampling, torch | sampling, compiled | torch / compiled | forward share of the step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        heap, huge, torch_sampler = (f"b{batch}_heap_compiled_sampler", f"b{batch}_huge_compiled_sampler",
+                                     f"b{batch}_huge_torch_sampler")
+        row = {
+            "step_heap_ms": statistics.median(r[heap]["step_ms"] for r in rounds),
+            "step_huge_ms": statistics.median(r[huge]["step_ms"] for r in rounds),
+            "pages_speedup": statistics.median(r[heap]["step_ms"] / r[huge]["step_ms"] for r in rounds),
+            "sampling_torch_ms": statistics.median(r[torch_sampler]["sampling_ms"] for r in rounds),
+            "sampling_compiled_ms": statistics.median(r[huge]["sampling_ms"] for r in rounds),
+            "sampler_speedup": statistics.median(r[torch_sampler]["sampling_ms"] / r[huge]["sampling_ms"] for r in rounds),
+            "forward_share": statistics.median(r[huge]["forward_ms"] / r[huge]["step_ms"] for r in rounds),
+        }
+        summary[batch] = row
+        print(f"| {batch} | {row['step_heap_ms']:.1f} ms | {row['step_huge_ms']:.1f} ms | {row['pages_speedup']:.2f}x | "
+              f"{row['sampling_torch_ms']:.2f} ms | {row['sampling_compiled_ms']:.2f} ms | {row['sampler_speedup']:.1f}x | "
+              f"{100 * row['forward_share']:.0f} % |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "summary": summary, "rounds": rounds},
+                              indent=1))
+    print(f"wrote {out}")
+
+
+def _time_sum(tensor: torch.Tensor) -> float:
+    started = time.perf_counter()
+    tensor.sum()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()
