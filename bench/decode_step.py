@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parent
 
 def place_weights(model, huge: bool) -> None:
     """The model's weights on huge pages (as the engine places them) or copied onto the heap."""
-    from colorl.engines.native.engine import _weight_storage
+    from colorl.engines.native.host_memory import mapped_tensors
 
     params = dict(model.named_parameters())
-    placed = _weight_storage(model, {n: p.shape for n, p in params.items()}) if huge else {}
+    placed = mapped_tensors({n: tuple(p.shape) for n, p in params.items()}, torch.float32) if huge else {}
     for name, param in params.items():
         param.data = placed[name].copy_(param.data) if huge else param.data.clone()
 

@@ -38,7 +38,7 @@ import torch
 from colorl.engines.base import Engine, EngineStats, GenerationRequest, GenerationResult, SamplingParams
 from colorl.engines.native.block_manager import BlockManager
 from colorl.engines.native.host_memory import mapped_tensors
-from colorl.engines.native.model import CausalLM, read_hf_folder
+from colorl.engines.native.model import CausalLM, Rotary, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
 from colorl.engines.native.sampler import Sampler, SampleRow
 from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -241,13 +241,13 @@ class NativeEngine(Engine):
         """Released weights get their memory back here, unwritten: the caller writes every one of them
         and then sets `version`, which makes them servable again."""
         if self._weights is WeightState.RELEASED:
-            _allocate_parameters(self.model, self._shapes)
+            _allocate_parameters(self.model, self._shapes, self.device)
             self._weights = WeightState.LOADING
         return self.model.hf_weights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._weights is WeightState.RELEASED:  # only all of them at once bring them back
-            _allocate_parameters(self.model, self._shapes)
+            _allocate_parameters(self.model, self._shapes, self.device)
             self._weights = WeightState.LOADING
             try:
                 self.model.load_hf_weights(named_tensors, strict=True)
@@ -331,34 +331,34 @@ def _load_config(folder: Path):
 
 
 def _build_model(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    with torch.device(device):
+    """The model with unwritten `dtype` weights, which the caller loads, every one (`load_hf_weights` is
+    strict): built on the meta device and given its storage once, where `_allocate_parameters` puts it (on
+    CPU a mapping on huge pages: never a first copy on the heap, which a rank keeps)."""
+    with torch.device("meta"):
         model = CausalLM(config)
-    model.to(device)  # RoPE tables built from HF helpers on the CPU
+    model.rotary = Rotary(config, model.spec).to(device)  # RoPE tables built from HF helpers on the CPU
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    if device.type == "cpu":  # on huge pages (host_memory.py), the values kept
-        placed = _weight_storage(model, {name: param.shape for name, param in model.named_parameters()})
-        for name, param in model.named_parameters():
-            param.data = placed[name].copy_(param.data)
+    _allocate_parameters(model, {name: param.shape for name, param in model.named_parameters()}, device)
     return model
 
 
-def _weight_storage(model: CausalLM, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Unwritten CPU storage for every parameter: one mapping per dtype, outside the heap, on huge pages
-    where the kernel gives them (host_memory.py)."""
-    dtypes = {name: param.dtype for name, param in model.named_parameters()}
-    out = {}
-    for dtype in set(dtypes.values()):
-        out.update(mapped_tensors({name: tuple(shapes[name]) for name in shapes if dtypes[name] == dtype}, dtype))
-    return out
-
-
-def _allocate_parameters(model: CausalLM, shapes: Mapping[str, torch.Size]) -> None:
-    """Fresh, unwritten storage of each parameter's full shape (after `NativeEngine._release`), outside
-    the heap on CPU, on huge pages where the kernel gives them (host_memory.py)."""
-    placed = _weight_storage(model, shapes) if next(model.parameters()).device.type == "cpu" else {}
-    for name, param in model.named_parameters():
-        param.data = placed[name] if placed else torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+def _allocate_parameters(model: CausalLM, shapes: Mapping[str, torch.Size], device: torch.device) -> None:
+    """Fresh, unwritten storage of each parameter's full shape (at build, and after `NativeEngine._release`):
+    on CPU one mapping per dtype, outside the heap, on huge pages where the kernel gives them
+    (host_memory.py); the device's allocator elsewhere."""
+    params = dict(model.named_parameters())
+    placed = {}
+    if device.type == "cpu":
+        for dtype in {param.dtype for param in params.values()}:
+            placed.update(mapped_tensors({name: tuple(shapes[name]) for name, param in params.items()
+                                          if param.dtype == dtype}, dtype))
+    for name, param in params.items():
+        storage = placed[name] if placed else torch.empty(shapes[name], dtype=param.dtype, device=device)
+        if param.device.type == "meta":  # just built: `.data` cannot leave the meta device
+            torch.utils.swap_tensors(param, torch.nn.Parameter(storage, requires_grad=param.requires_grad))
+        else:
+            param.data = storage
 
 
 def _move_parameters(model: CausalLM, device: torch.device) -> None:
