@@ -102,7 +102,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rounds = []
     for index in range(args.rounds):
-        heap_sum, huge_sum = (reader.buffers[0].nbytes / _time_sum(b) for b in reader.buffers)
+        heap_sum, huge_sum = reader.each()
         record = {"heap_sum_gb_s": heap_sum / 1e9, "huge_sum_gb_s": huge_sum / 1e9}
         for batch in batches:
             for huge in (False, True):
@@ -141,12 +141,6 @@ def main() -> None:
     out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "summary": summary, "rounds": rounds},
                               indent=1))
     print(f"wrote {out}")
-
-
-def _time_sum(tensor: torch.Tensor) -> float:
-    started = time.perf_counter()
-    tensor.sum()
-    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -22,15 +22,19 @@ class MemoryReader:
         for big in self.buffers:
             big.sum()
 
-    def once(self) -> float:
-        """Bytes/s of one sum of each buffer, the faster: a reading short enough (about a decode step's time)
-        to take between two steps, so a step and its floor see the same neighbours on a shared machine."""
-        best = 0.0
+    def each(self) -> tuple[float, ...]:
+        """Bytes/s of one sum of each buffer: heap pages, huge pages."""
+        rates = []
         for big in self.buffers:
             started = time.perf_counter()
             big.sum()
-            best = max(best, big.nbytes / (time.perf_counter() - started))
-        return best
+            rates.append(big.nbytes / (time.perf_counter() - started))
+        return tuple(rates)
+
+    def once(self) -> float:
+        """Bytes/s of one sum of each buffer, the faster: a reading short enough (about a decode step's time)
+        to take between two steps, so a step and its floor see the same neighbours on a shared machine."""
+        return max(self.each())
 
     def over(self, seconds: float) -> float:
         """Bytes/s over `seconds` of alternating sums, per buffer, the faster."""
