@@ -300,10 +300,15 @@ def floor_verdicts(floor: dict) -> list[str]:
         if kind == "floor":
             ratios = [r["step_over_floor"] for r in runs]
             met = row["step_over_floor"] <= bar
+            # the step's FLOPs at the machine's large-matmul rate: no kernel on this CPU computes them faster
+            arithmetic_ms = row["gflop_s"] * row["step_ms"] / floor["matmul_gflop_s"]
+            beyond = arithmetic_ms > bar * row["floor_ms"]
             lines.append(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step = {row['step_over_floor']:.2f}x "
                          f"its memory floor {row['floor_ms']:.1f} ms (rounds {min(ratios):.2f}-{max(ratios):.2f}x, "
                          f"{sum(r <= bar for r in ratios)} of {len(ratios)} within; bar {bar}x: "
-                         f"{'met' if met else 'NOT met'})")
+                         f"{'met' if met else 'NOT met'}); its FLOPs at the matmul rate {arithmetic_ms:.1f} ms = "
+                         f"{arithmetic_ms / row['floor_ms']:.2f}x the memory floor"
+                         + (" (the bar is below this CPU's arithmetic)" if beyond else ""))
         else:
             shares = [r["share_of_matmul_rate"] for r in runs]
             met = row["share_of_matmul_rate"] >= bar

@@ -1,6 +1,7 @@
-/* How fast the native engine's rows kernel (colorl_linear_f32, included from the engine's own source) reads
- * its weights at 1, 2, 4 and 8 rows, against a plain sum of the same memory, from DRAM and from L2; and a probe
- * of the 8-row step's arithmetic without its loads of x. Driven by bench/rows_stream.py, which builds it the
+/* How fast the native engine's rows kernel (colorl_linear_f32, included from the engine's own source) and its
+ * panels (colorl_panels_f32 over colorl_pack_panels_f32's k-major copy) read their weights at 1, 2, 4 and 8
+ * rows, against a plain sum of the same memory, from DRAM and from L2; and a probe of the rows kernel's 8-row
+ * step's arithmetic without its loads of x. Driven by bench/rows_stream.py, which builds it the
  * way the engine builds its loops and prints the table; one thread, weights on huge pages where the kernel
  * gives them. Prints one JSON object. */
 #include "../colorl/engines/native/cpu_decode.c"
@@ -57,12 +58,17 @@ int main(void) {
     size_t per = (size_t)N * K, total = per * MATRICES, bytes = total * sizeof(float);
     float *w = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (w == MAP_FAILED) return 1;
+    float *panels = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (panels == MAP_FAILED) return 1;
     madvise(w, bytes, MADV_HUGEPAGE);
+    madvise(panels, bytes, MADV_HUGEPAGE);
     for (size_t i = 0; i < total; i++) w[i] = 0.001f * (float)(i % 13);
+    for (int m = 0; m < MATRICES; m++) colorl_pack_panels_f32(w + m * per, panels + m * per, N, K, 1); /* N: whole pairs */
     float *x = malloc(sizeof(float) * 8 * K), *y = malloc(sizeof(float) * 8 * N);
     for (int i = 0; i < 8 * K; i++) x[i] = 0.01f * (float)(i % 7);
     const int rows[] = {1, 2, 4, 8};
-    double sum_dram[ROUNDS], probe_dram[ROUNDS], dram[4][ROUNDS], l2[4][ROUNDS];
+    double sum_dram[ROUNDS], probe_dram[ROUNDS], dram[4][ROUNDS], l2[4][ROUNDS], panel_dram[4][ROUNDS],
+        panel_l2[4][ROUNDS];
     volatile float sink = 0;
     for (int r = 0; r < ROUNDS; r++) {
         double t = now();
@@ -78,11 +84,18 @@ int main(void) {
             t = now(); /* a matrix of L2_ROWS rows, read again and again from L2 */
             for (int q = 0; q < 300; q++) colorl_linear_f32(x, w, NULL, y, rows[i], L2_ROWS, K, 1);
             l2[i][r] = 300.0 * L2_ROWS * K * sizeof(float) / (now() - t) / 1e9;
+            t = now();
+            for (int m = 0; m < MATRICES; m++) colorl_panels_f32(x, panels + m * per, NULL, y, rows[i], N, K, 1);
+            panel_dram[i][r] = bytes / (now() - t) / 1e9;
+            t = now();
+            for (int q = 0; q < 300; q++) colorl_panels_f32(x, panels, NULL, y, rows[i], L2_ROWS, K, 1);
+            panel_l2[i][r] = 300.0 * L2_ROWS * K * sizeof(float) / (now() - t) / 1e9;
         }
     }
     printf("{\"sum_gb_s\": %.2f, \"fmas_without_x_loads_gb_s\": %.2f, \"rows\": {", median(sum_dram), median(probe_dram));
     for (int i = 0; i < 4; i++)
-        printf("%s\"%d\": {\"dram_gb_s\": %.2f, \"l2_gb_s\": %.2f}", i ? ", " : "", rows[i], median(dram[i]), median(l2[i]));
+        printf("%s\"%d\": {\"dram_gb_s\": %.2f, \"l2_gb_s\": %.2f, \"panels_dram_gb_s\": %.2f, \"panels_l2_gb_s\": %.2f}",
+               i ? ", " : "", rows[i], median(dram[i]), median(l2[i]), median(panel_dram[i]), median(panel_l2[i]));
     printf("}}\n");
     return 0;
 }

@@ -1,11 +1,12 @@
-"""How fast the native engine's rows kernel reads its weights, against a plain sum of the same memory (issue 31
-item 1: why a batch-8 decode step sits further from its memory floor than a batch-1 step).
+"""How fast the native engine's rows kernel and its panels read their weights, against a plain sum of the same
+memory (issue 31 item 1: why a batch-8 decode step sat further from its memory floor than a batch-1 step, and
+why a few rows now run over the panels where this machine's race says so).
 
     python bench/rows_stream.py
 
 bench/rows_stream.c includes the engine's own cpu_decode.c and times, on one thread over 85 MB of [3072, 576]
-float32 matrices on huge pages (15 interleaved rounds, medians): a sum of the memory; the rows kernel at 1, 2,
-4 and 8 rows, from DRAM and from L2 (a 96-row matrix read again and again); and a probe doing the 8-row
+float32 matrices on huge pages (15 interleaved rounds, medians): a sum of the memory; the rows kernel and the
+panels at 1, 2, 4 and 8 rows, from DRAM and from L2 (a 96-row matrix read again and again); and a probe doing the 8-row
 step's 16 FMAs per cache line with x in registers, no loads of x. Built with the engine's compiler and
 -march (engines/native/cpu_build.py). Results: bench/results/rows_stream.json; summary in bench/README.md.
 """
@@ -37,10 +38,12 @@ def main() -> None:
     print(f"{cpu_model()}, 1 thread, float32, 85 MB of [3072, 576] matrices on huge pages: sum {total:.1f} GB/s; "
           f"the 8-row step's FMAs without loads of x {figures['fmas_without_x_loads_gb_s']:.1f} GB/s "
           f"({figures['fmas_without_x_loads_gb_s'] / total:.2f}x the sum)")
-    print("| rows | rows kernel from DRAM | / sum | from L2 |")
-    print("|---|---|---|---|")
+    print("| rows | rows kernel from DRAM | / sum | from L2 | panels from DRAM | / sum | from L2 | panels / rows kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     for rows, row in figures["rows"].items():
-        print(f"| {rows} | {row['dram_gb_s']:.1f} GB/s | {row['dram_gb_s'] / total:.2f}x | {row['l2_gb_s']:.1f} GB/s |")
+        print(f"| {rows} | {row['dram_gb_s']:.1f} GB/s | {row['dram_gb_s'] / total:.2f}x | {row['l2_gb_s']:.1f} GB/s "
+              f"| {row['panels_dram_gb_s']:.1f} GB/s | {row['panels_dram_gb_s'] / total:.2f}x "
+              f"| {row['panels_l2_gb_s']:.1f} GB/s | {row['panels_dram_gb_s'] / row['dram_gb_s']:.2f}x |")
     out = HERE / "results" / "rows_stream.json"
     out.write_text(json.dumps({"machine": cpu_model(), **figures}, indent=1))
     print(f"wrote {out}")

@@ -14,7 +14,8 @@ import torch
 # The verdicts the suite runs with unless a lane sets others (Makefile: test-avx2, test-torch-kernels): forced,
 # not raced, so that what a test sees does not depend on the CPU it runs on or on how busy it is. The races
 # themselves are tested directly (tests/test_kernels.py, tests/test_verdicts.py, tests/engines/test_cpu_decode.py).
-DEFAULT_VERDICTS = {"COLORL_ONEDNN": "1", "COLORL_CPU_DECODE_ROWS": "all", "COLORL_BF16": "0"}
+DEFAULT_VERDICTS = {"COLORL_ONEDNN": "1", "COLORL_CPU_DECODE_ROWS": "all", "COLORL_CPU_DECODE_PANEL_ROWS": "all",
+                    "COLORL_BF16": "0"}
 
 
 def pytest_configure(config):

@@ -60,17 +60,19 @@ def test_bf16_rows_kernel_equals_the_float32_product_rounded_once(compiled, rows
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 13, 32, 37])
-def test_panels_equal_f_linear_at_any_row_count(compiled, rows, dtype):
-    """The panels' product for a decode step of many sequences, outputs not a whole number of panels
-    (200 = 12 x 16 + 8) and an odd width: float32 to rounding; bf16 one rounding of float32 sums."""
+@pytest.mark.parametrize("outputs", [200, 203])
+@pytest.mark.parametrize("rows", [*range(1, cpu_decode.MAX_ROWS + 1), 9, 13, 32, 37])
+def test_panels_equal_f_linear_at_any_row_count(compiled, rows, outputs, dtype):
+    """The panels' product at every row count of the few-rows loop and for many sequences, outputs not a
+    whole number of panel pairs (200 = 12 x 16 + 8: a padding panel) or of panels (203), and an odd width:
+    float32 to rounding; bf16 one rounding of float32 sums."""
     gen = torch.Generator().manual_seed(rows)
-    x, weight, bias = (t.to(dtype) for t in (torch.randn(rows, 83, generator=gen), torch.randn(200, 83, generator=gen),
-                                             torch.randn(200, generator=gen)))
+    x, weight, bias = (t.to(dtype) for t in (torch.randn(rows, 83, generator=gen), torch.randn(outputs, 83, generator=gen),
+                                             torch.randn(outputs, generator=gen)))
     panels = compiled.pack_panels(weight)
-    assert panels.numel() == 13 * cpu_decode.PANEL * 83
+    assert panels.numel() == 13 * 2 * cpu_decode.PANEL * 83
     for b in (bias, None):
-        out = compiled.panel_linear(x, panels, 200, b)
+        out = compiled.panel_linear(x, panels, outputs, b)
         exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
         if dtype == torch.float32:
             torch.testing.assert_close(out, exact, atol=1e-4, rtol=1e-5)
@@ -261,11 +263,13 @@ def test_bf16_engine_runs_every_loop_compiled_and_agrees_with_torch(compiled, ti
             assert max(abs(a - b) for a, b in zip(fast.logprobs, reference.logprobs)) < 0.02
 
 
+@pytest.mark.parametrize("panel_rows", ["all", "none"])
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-def test_whole_layer_decode_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch, dtype):
+def test_whole_layer_decode_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch, dtype, panel_rows):
     """One compiled call per layer for pure decode steps runs the same loops in the same order as the
-    per-operation path, so the two sample the same tokens with bit-identical log-probs; steps with a
-    prefill, or more rows than the rows kernel won, take the per-operation path."""
+    per-operation path (over the panels or on the rows kernel), so the two sample the same tokens with
+    bit-identical log-probs; steps with a prefill, or more rows than the loops won, take the per-operation path."""
+    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", panel_rows)
     monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 4)))
     calls = []
     whole_layers = cpu_decode.CpuDecode.decode_layers
@@ -295,7 +299,8 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
 
     def race(library, dtype):
         raced.append((dtype, torch.get_num_threads()))
-        return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {}}
+        return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {},
+                "panel_rows": [8] if dtype == torch.float32 else []}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -303,6 +308,10 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
     try:
         torch.set_num_threads(1)
         assert library.rows_won(torch.float32) == {1, 2} and library.rows_won(torch.bfloat16) == {1}
+        monkeypatch.delenv("COLORL_CPU_DECODE_PANEL_ROWS", raising=False)  # the same race says where a few rows run
+        assert library.panel_rows(torch.float32) == {8} and library.panel_rows(torch.bfloat16) == set()
+        assert library.on_panels(8, torch.float32) and not library.on_panels(7, torch.float32)
+        assert library.on_panels(cpu_decode.MAX_ROWS + 1, torch.bfloat16)
         torch.set_num_threads(2)  # bounded-lag's other loop: its own race, not the 1-thread verdict
         assert library.rows_won(torch.bfloat16) == {2}
         assert library.rows_won(torch.float16) == frozenset()  # no kernel for it: never raced
@@ -336,7 +345,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
     def race(library, dtype):
         raced.append(dtype)
         seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
-        return {"won": [1, 2], "busy": False, "seconds": seconds}
+        return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": []}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_BYTES", 1)  # the tiny model's weights count as a stream from memory
@@ -380,12 +389,29 @@ def test_a_bad_forced_rows_verdict_is_one_clear_error(monkeypatch):
         cpu_decode.forced_rows()
 
 
+@pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_ROWS + 1))), ("none", set()),
+                                         ("5,8", {5, 8})])
+def test_the_few_rows_that_run_over_the_panels_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):
+    """The suite puts every few-row product on the panels and `make test-avx2` none, whatever this CPU's race says."""
+    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", value)
+    monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: pytest.fail("raced"))
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    assert library.panel_rows(torch.float32) == rows and library.panel_rows(torch.bfloat16) == rows
+    assert {r for r in range(1, 2 * cpu_decode.MAX_ROWS) if library.on_panels(r, torch.float32)} == (
+        rows | set(range(cpu_decode.MAX_ROWS + 1, 2 * cpu_decode.MAX_ROWS)))
+    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", str(cpu_decode.MAX_ROWS + 1))
+    with pytest.raises(ValueError, match="COLORL_CPU_DECODE_PANEL_ROWS"):
+        cpu_decode.forced_panel_rows()
+
+
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 def test_race_measures_every_row_count(compiled, dtype):
     verdict = cpu_decode.race_rows(compiled, dtype)
     raced = {*range(1, cpu_decode.MAX_ROWS + 1), *cpu_decode.PANEL_RACE_ROWS}
     assert set(verdict["seconds"]) == {str(rows) for rows in raced}
     assert set(verdict["won"]) <= raced
+    few = set(range(1, cpu_decode.MAX_ROWS + 1))  # the panels against the rows kernel
+    assert set(verdict["panel_seconds"]) == {str(rows) for rows in few} and set(verdict["panel_rows"]) <= few
 
 
 def test_panel_row_counts_between_the_raced_ones_follow_both_neighbours():

@@ -522,7 +522,7 @@ static inline float same1(float f) { return f; }
 typedef struct {
     const void *input_norm, *w_qkv, *b_qkv, *w_o, *b_o, *post_norm, *w_gate_up, *b_gate_up, *w_down, *b_down;
     void *cache;                             /* this layer's [slots, 2, Hkv, D] */
-    const void *p_qkv, *p_o, *p_gate_up, *p_down; /* the matrices' panels (colorl_pack_panels), NULL up to 8 rows */
+    const void *p_qkv, *p_o, *p_gate_up, *p_down; /* the matrices' panels (colorl_pack_panels); NULL: the rows kernel, up to 8 rows */
 } decode_layer_t;
 
 typedef struct {

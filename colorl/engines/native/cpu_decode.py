@@ -33,7 +33,7 @@ MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound,
 MAX_PANEL_ROWS = 32  # the row counts raced one by one or between raced neighbours (a rollout batch decoding)
 PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks, scoring, larger batches
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
-PANEL = 16  # outputs per panel (cpu_decode_loops.h)
+PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
 RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
 RACE_ROUNDS = 3
@@ -65,8 +65,8 @@ def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, tor
 
 
 def panel_elements(n_out: int, n_in: int) -> int:
-    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole panels, times n_in."""
-    return -(-n_out // PANEL) * PANEL * n_in
+    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole pairs of panels, times n_in."""
+    return -(-n_out // (2 * PANEL)) * 2 * PANEL * n_in
 
 
 class DecodeStep(ctypes.Structure):
@@ -160,6 +160,22 @@ class CpuDecode:
             return forced
         return self._raced_rows(dtype, torch.get_num_threads())
 
+    def panel_rows(self, dtype: torch.dtype) -> frozenset[int]:
+        """Row counts up to MAX_ROWS whose products run over the panels rather than the rows kernel here (both
+        the loops'; `rows_won` decides whether the loops run at all): forced by COLORL_CPU_DECODE_PANEL_ROWS,
+        else raced with the rows verdict."""
+        if dtype not in DTYPES:
+            return frozenset()
+        forced = forced_panel_rows()
+        if forced is not None:
+            return forced
+        return frozenset(int(rows) for rows in self._rows_verdict(dtype, torch.get_num_threads())["panel_rows"])
+
+    def on_panels(self, rows: int, dtype: torch.dtype) -> bool:
+        """A product of `rows` rows the loops take (`takes`) runs over the weights' panels: always above MAX_ROWS,
+        below where `panel_rows` says so."""
+        return rows > MAX_ROWS or rows in self.panel_rows(dtype)
+
     def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
         return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
 
@@ -167,7 +183,8 @@ class CpuDecode:
     def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:
         from colorl.verdicts import measured_verdict
 
-        return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype), keys=("won",))
+        return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype),
+                                keys=("won", "panel_rows"))
 
     def takes(self, rows: int, dtype: torch.dtype) -> bool:
         """The loops run a product of `rows` rows in `dtype` here (`rows_won`; above MAX_PANEL_ROWS: when both
@@ -349,6 +366,26 @@ def forced_rows() -> frozenset[int] | None:
     return rows
 
 
+def forced_panel_rows() -> frozenset[int] | None:
+    """COLORL_CPU_DECODE_PANEL_ROWS: "all", "none" or row counts up to MAX_ROWS ("5,8") whose products run over
+    the panels, for every dtype and thread count (the tests force each, so that both paths are tested on any
+    CPU); unset: the race decides."""
+    value = os.environ.get("COLORL_CPU_DECODE_PANEL_ROWS", "").strip().lower()
+    if not value:
+        return None
+    if value == "all":
+        return frozenset(range(1, MAX_ROWS + 1))
+    if value == "none":
+        return frozenset()
+    try:
+        rows = frozenset(int(part) for part in value.split(","))
+    except ValueError:
+        rows = frozenset({0})
+    if not rows <= set(range(1, MAX_ROWS + 1)):
+        raise ValueError(f"COLORL_CPU_DECODE_PANEL_ROWS={value!r}: give all, none or row counts from 1 to {MAX_ROWS}")
+    return rows
+
+
 def between_raced(won: frozenset[int]) -> frozenset[int]:
     """The raced row counts the loops won, plus each panel row count that was not raced when the raced
     counts on both sides of it (or the one side there is) were won: a product's cost is smooth in its rows."""
@@ -365,7 +402,9 @@ def between_raced(won: frozenset[int]) -> frozenset[int]:
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     """For 1..MAX_ROWS rows (the rows kernel) and PANEL_RACE_ROWS (the panels), the loops against the
     engine's other product over weights that do not fit in cache, as a decode step streams them
-    (colorl.verdicts.stable_race: the loops win a row count only clearly, in every pass)."""
+    (colorl.verdicts.stable_race: the loops win a row count only clearly, in every pass); then, at
+    1..MAX_ROWS rows, the panels against the rows kernel (`panel_rows`: which of the two a few rows take;
+    which wins moves with the CPU's loads per cycle and registers, bench/rows_stream.py)."""
     from colorl.kernels import PackedLinears
     from colorl.verdicts import stable_race
 
@@ -375,14 +414,24 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     packed = PackedLinears()
     packed.repack(weights)
     panels = [compiled.pack_panels(w) for w in weights]
+    xs = {rows: torch.randn(rows, 576, generator=gen).to(dtype) for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS)}
+
+    def on_panels(x, count=len(weights)):
+        return lambda: [compiled.panel_linear(x, p, 3072, None) for p in panels[:count]]
+
+    def on_rows_kernel(x):
+        return lambda: [compiled.linear(x, w, None) for w in weights]
+
     items = {}
-    for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS):
-        x = torch.randn(rows, 576, generator=gen).to(dtype)
+    for rows, x in xs.items():
         count = len(weights) if rows <= MAX_PANEL_ROWS else 2  # a prefill's product is long enough on two
-        ours = ((lambda x=x: [compiled.linear(x, w, None) for w in weights]) if rows <= MAX_ROWS else
-                (lambda x=x, count=count: [compiled.panel_linear(x, p, 3072, None) for p in panels[:count]]))
+        ours = on_rows_kernel(x) if rows <= MAX_ROWS else on_panels(x, count)
         items[rows] = (ours, lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]])
-    return stable_race(items, RACE_ROUNDS)
+    verdict = stable_race(items, RACE_ROUNDS)
+    few = stable_race({rows: (on_panels(xs[rows]), on_rows_kernel(xs[rows])) for rows in range(1, MAX_ROWS + 1)},
+                      RACE_ROUNDS)
+    return {**verdict, "panel_rows": few["won"], "busy": verdict["busy"] or few["busy"],
+            "panel_seconds": few["seconds"]}
 
 
 class PanelCopies:

@@ -64,24 +64,33 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
     }
 }
 
-/* ---------------------------------------------------------------- products over more rows
- * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) for any B: a decode step of more sequences than the rows
- * kernel takes (MAX_ROWS in cpu_decode.py), where a product is bound by arithmetic, not by the
- * stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28 GFLOP/s of 76
- * on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue 31), in the
- * classic way: the weights packed once per version in panels of PANEL outputs, k-major ([N/PANEL,
- * K, PANEL], zero-padded), x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
- * a TILE x PANEL block of sums held in twelve vector registers while k runs: per k, two weight
- * vectors and six broadcasts feed twelve FMAs, with no horizontal sums (fifteen registers of AVX2's
- * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them). Each thread streams its
- * own run of panels once (the first tile asks for it PANEL_AHEAD values ahead, as the rows kernel
- * does); the later tiles of a panel read it again from L2. */
-#define PANEL 16
+/* ---------------------------------------------------------------- products over panels
+ * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) over the weights packed once per version in panels of
+ * PANEL outputs, k-major ([N/PANEL, K, PANEL], N zero-padded to a whole pair of panels): the layout
+ * both kinds of step read as one sequential stream per panel, with no horizontal sums.
+ *
+ * More rows than the rows kernel takes (MAX_ROWS in cpu_decode.py): a product bound by arithmetic,
+ * not by the stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28
+ * GFLOP/s of 76 on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue
+ * 31), in the classic way: x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
+ * a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
+ * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's
+ * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them).
+ * Each thread streams its own run of pairs once (the first tile asks for them PANEL_AHEAD values
+ * ahead, as the rows kernel does); the later tiles of a pair read it again from L2.
+ *
+ * Up to 8 rows (a decode step's tail, where the race in cpu_decode.py picks them over the rows
+ * kernel): B x PANEL sums in B registers, per k one weight vector and B broadcasts of x (packed
+ * k-major, [K, B]). The rows kernel's dot products load a whole vector of x per FMA; a broadcast is
+ * a narrower load, and on AVX2 the 8-row dot-product loop also spills three of its sixteen sums:
+ * over the same 85 MB on one Zen 3 core these loops read 0.82-0.85x a plain sum's rate at 8 rows,
+ * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. */
+#define PANEL 8
 #define TILE 6
 #define PANEL_AHEAD 2048
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
-    int64_t count = (N + PANEL - 1) / PANEL;
+    int64_t count = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && count > 1)
     for (int64_t p = 0; p < count; p++)
         for (int64_t k = 0; k < K; k++)
@@ -93,14 +102,17 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
             }
 }
 
-static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wp, int64_t K,
-                                                                   int fetch, v8 c[TILE][2]) {
+static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
+                                                                   int64_t K, int fetch, v8 c[TILE][2]) {
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
-        const ELEM *wk = wp + k * PANEL;
-        if (fetch) __builtin_prefetch(wk + PANEL_AHEAD, 0, 2);
-        v8 w0 = LOAD8(wk), w1 = LOAD8(wk + 8);
+        const ELEM *ka = wa + k * PANEL, *kb = wb + k * PANEL;
+        if (fetch) {
+            __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
+            __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
+        }
+        v8 w0 = LOAD8(ka), w1 = LOAD8(kb);
         const float *xk = xt + k * TILE;
         v8 a = BROADCAST8(xk[0]);
         c00 += a * w0; c01 += a * w1;
@@ -119,11 +131,78 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
     c[3][0] = c30; c[3][1] = c31; c[4][0] = c40; c[4][1] = c41; c[5][0] = c50; c[5][1] = c51;
 }
 
+/* Row b's sums for outputs n0.. (width of them, the rest padding), plus the bias, into y. */
+static inline void NAMED(store_sums)(ELEM *row, v8 sums, const float *bv, int64_t width) {
+    if (width == PANEL) {
+        STORE8(row, sums + load8(bv));
+    } else {
+        float out[PANEL];
+        store8(out, sums + load8(bv));
+        for (int64_t j = 0; j < width; j++) STORE1(row + j, out[j]);
+    }
+}
+
+static inline void NAMED(panel_bias)(const ELEM *bias, int64_t n0, int64_t width, float *bv) {
+    for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
+}
+
+/* Panels p0..p1 against B <= 8 rows of x packed k-major (xt [K, B]). B is a constant where it is
+ * inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
+                                                                   const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                                                                   int64_t K, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+        if (width <= 0) break; /* the padding panel of the last pair */
+        const ELEM *wp = panels + p * K * PANEL;
+        v8 c[8] = {{0}};
+        for (int64_t k = 0; k < K; k++) {
+            if (!(k & 1)) __builtin_prefetch(wp + k * PANEL + PANEL_AHEAD, 0, 2);
+            v8 w = LOAD8(wp + k * PANEL);
+            const float *xk = xt + k * B;
+#pragma GCC unroll 8
+            for (int64_t b = 0; b < B; b++) c[b] += w * BROADCAST8(xk[b]);
+        }
+        float bv[PANEL];
+        NAMED(panel_bias)(bias, n0, width, bv);
+        for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, c[b], bv, width);
+    }
+}
+
+/* Up to 8 rows: each thread one contiguous run of panels. */
+static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                             int64_t K, int threads) {
+    int64_t count = (N + PANEL - 1) / PANEL;
+    float *xt = malloc(sizeof(float) * K * B);
+    if (!xt) return COLORL_NO_MEMORY;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t b = 0; b < B; b++) xt[k * B + b] = LOAD1(x + b * K + k);
+    int team = threads > 1 && count >= 8 * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        int64_t nt = omp_get_num_threads(), share = (count + nt - 1) / nt;
+        int64_t p0 = omp_get_thread_num() * share, p1 = p0 + share < count ? p0 + share : count;
+        switch (B) { /* one copy of the loop per row count, its sums in registers */
+        case 1: NAMED(panel_rows)(xt, panels, bias, y, 1, N, K, p0, p1); break;
+        case 2: NAMED(panel_rows)(xt, panels, bias, y, 2, N, K, p0, p1); break;
+        case 3: NAMED(panel_rows)(xt, panels, bias, y, 3, N, K, p0, p1); break;
+        case 4: NAMED(panel_rows)(xt, panels, bias, y, 4, N, K, p0, p1); break;
+        case 5: NAMED(panel_rows)(xt, panels, bias, y, 5, N, K, p0, p1); break;
+        case 6: NAMED(panel_rows)(xt, panels, bias, y, 6, N, K, p0, p1); break;
+        case 7: NAMED(panel_rows)(xt, panels, bias, y, 7, N, K, p0, p1); break;
+        default: NAMED(panel_rows)(xt, panels, bias, y, 8, N, K, p0, p1); break;
+        }
+    }
+    free(xt);
+    return 0;
+}
+
 /* y [B, N] = x [B, K] . w [N, K]^T (+ bias), w given as its panels (colorl_pack_panels). */
 int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                          int64_t K, int threads) {
     if (B < 1) return COLORL_BAD_ROWS;
-    int64_t tiles = (B + TILE - 1) / TILE, count = (N + PANEL - 1) / PANEL;
+    if (B <= 8) return NAMED(panels_few)(x, panels, bias, y, B, N, K, threads);
+    int64_t tiles = (B + TILE - 1) / TILE, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
     float *xp = malloc(sizeof(float) * tiles * TILE * K);
     if (!xp) return COLORL_NO_MEMORY;
     for (int64_t t = 0; t < tiles; t++)
@@ -132,32 +211,29 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
                 int64_t b = t * TILE + i;
                 xp[(t * K + k) * TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
             }
-    int team = threads > 1 && count >= 2 * threads ? threads : 1;
+    int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        int64_t nt = omp_get_num_threads(), share = (count + nt - 1) / nt;
-        int64_t p0 = omp_get_thread_num() * share, p1 = p0 + share < count ? p0 + share : count;
-        for (int64_t p = p0; p < p1; p++) {
-            const ELEM *wp = panels + p * K * PANEL;
-            int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-            float bv[PANEL];
-            for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
+        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
+        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+        for (int64_t q = q0; q < q1; q++) {
+            const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
+            int64_t n0 = 2 * q * PANEL, widths[2];
+            float bv[2][PANEL];
+            for (int v = 0; v < 2; v++) {
+                int64_t left = N - n0 - v * PANEL;
+                widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
+                NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
+            }
             for (int64_t t = 0; t < tiles; t++) {
                 v8 c[TILE][2];
                 if (t == 0)
-                    NAMED(panel_tile)(xp + t * K * TILE, wp, K, 1, c);
+                    NAMED(panel_tile)(xp + t * K * TILE, wa, wb, K, 1, c);
                 else
-                    NAMED(panel_tile)(xp + t * K * TILE, wp, K, 0, c);
-                for (int64_t i = 0; i < TILE && t * TILE + i < B; i++) {
-                    ELEM *row = y + (t * TILE + i) * N + n0;
-                    if (width == PANEL) {
-                        for (int v = 0; v < 2; v++) STORE8(row + 8 * v, c[i][v] + load8(bv + 8 * v));
-                    } else {
-                        float sums[PANEL];
-                        for (int v = 0; v < 2; v++) store8(sums + 8 * v, c[i][v] + load8(bv + 8 * v));
-                        for (int64_t j = 0; j < width; j++) STORE1(row + j, sums[j]);
-                    }
-                }
+                    NAMED(panel_tile)(xp + t * K * TILE, wa, wb, K, 0, c);
+                for (int64_t i = 0; i < TILE && t * TILE + i < B; i++)
+                    for (int v = 0; v < 2; v++)
+                        if (widths[v]) NAMED(store_sums)(y + (t * TILE + i) * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
             }
         }
     }
@@ -258,12 +334,12 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
  * the ctypes calls between them (nine per layer, 1.5-3.6 us each: a few % of a step).
  * x: the residual stream [T, C], updated in place; delta: the previous layer's MLP output (NULL
  * for the first layer); out: this layer's MLP output [T, C]; scratch: T * (2 C + (H + 2 Hkv) D +
- * H D + 3 I) values. Its products run the rows kernel up to 8 rows and over the layer's panels
- * (colorl_pack_panels; NULL where not packed) above. Returns 0, or the first error of its loops (COLORL_*: rows, memory, an index out of
+ * H D + 3 I) values. Its products run over the layer's panels where given (colorl_pack_panels;
+ * required above 8 rows), else the rows kernel. Returns 0, or the first error of its loops (COLORL_*: rows, memory, an index out of
  * range), which it never computes past. */
 static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t T,
                           int64_t N, int64_t K, int threads) {
-    if (T <= 8) return NAMED(colorl_linear)(x, w, bias, y, T, N, K, threads);
+    if (T <= 8 && !panels) return NAMED(colorl_linear)(x, w, bias, y, T, N, K, threads);
     if (!panels) return COLORL_BAD_ROWS;
     return NAMED(colorl_panels)(x, panels, bias, y, T, N, K, threads);
 }

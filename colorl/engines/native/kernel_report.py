@@ -61,6 +61,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     forced_onednn = "COLORL_ONEDNN=" + os.environ["COLORL_ONEDNN"] if kernels.forced_onednn() is not None else None
     forced_rows = ("COLORL_CPU_DECODE_ROWS=" + os.environ["COLORL_CPU_DECODE_ROWS"]
                    if cpu_decode.forced_rows() is not None else None)
+    forced_panels = ("COLORL_CPU_DECODE_PANEL_ROWS=" + os.environ["COLORL_CPU_DECODE_PANEL_ROWS"]
+                     if cpu_decode.forced_panel_rows() is not None else None)
     try:
         for threads in thread_counts or (threads_now,):
             torch.set_num_threads(threads)
@@ -80,7 +82,10 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                 if library is not None:
                     rows = library.rows_won(dtype)
                     verdict = None if forced_rows else kept_verdict(library.rows_verdict_name(dtype, threads))
-                    text += (f"; decode rows on the loops: {_rows_text(rows)} ({_source(forced_rows, verdict)}); "
+                    few = library.panel_rows(dtype)
+                    text += (f"; decode rows on the loops: {_rows_text(rows)} ({_source(forced_rows, verdict)}), "
+                             f"of {cpu_decode.MAX_ROWS} or fewer over the panels: {_rows_text(few)} "
+                             f"({_source(forced_panels, None if forced_panels else verdict)}); "
                              "decode attention, norms, RoPE: the loops")
                 else:
                     text += "; decode attention: torch SDPA"

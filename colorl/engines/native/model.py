@@ -226,10 +226,10 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
 
 
 class Products:
-    """Where the engine's matrix products run: the compiled loops for a decode step's rows (the rows
-    kernel up to MAX_ROWS, the panels above: at the row counts where they beat the alternative in this
-    machine's race, per dtype; the panels above MAX_PANEL_ROWS too, prefill included, when they won
-    there), oneDNN over packed weights otherwise (`PackedLinears`; where the loops won every row count,
+    """Where the engine's matrix products run: the compiled loops for a decode step's rows (up to MAX_ROWS
+    the rows kernel or the panels, whichever won this machine's race, the panels above: at the row counts
+    where they beat the alternative in that race, per dtype; the panels above MAX_PANEL_ROWS too, prefill
+    included, when they won there), oneDNN over packed weights otherwise (`PackedLinears`; where the loops won every row count,
     none is made). Both copies are dropped with every weight version and made again when needed."""
 
     def __init__(self) -> None:
@@ -241,9 +241,9 @@ class Products:
         """x: [T, in]; weight: [out, in] (HF layout); returns [T, out]."""
         rows = x.shape[0]
         if compiled is not None and compiled.takes(rows, x.dtype) and x.is_contiguous():
-            if rows <= cpu_decode.MAX_ROWS:
-                return compiled.linear(x, weight, bias)
-            return compiled.panel_linear(x, self.panels.of(weight, compiled), weight.shape[0], bias)
+            if compiled.on_panels(rows, x.dtype):
+                return compiled.panel_linear(x, self.panels.of(weight, compiled), weight.shape[0], bias)
+            return compiled.linear(x, weight, bias)
         return self.packed.linear(x, weight, bias)
 
     def clear(self) -> None:
@@ -335,9 +335,9 @@ class DecoderLayer(nn.Module):
 
     def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, tokens: int) -> cpu_decode.DecodeLayer:
         """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layers`) of `tokens`
-        sequences: with its matrices' panels above the rows kernel's MAX_ROWS. Checked and built once per
-        storage: kept while every pointer in it (weights, cache, panels) is the same, as it is from one
-        decode step to the next (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
+        sequences: with its matrices' panels where its products run over them (above the rows kernel's MAX_ROWS,
+        and below where this machine's race chose them). Checked and built once per storage: kept while every
+        pointer in it (weights, cache, panels) is the same, as it is from one decode step to the next (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
         if self._parameters_by_role is None:  # the Parameter objects stay; their storage may not
             attn, mlp = self.self_attn, self.mlp
             self._parameters_by_role = dict(
@@ -346,7 +346,7 @@ class DecoderLayer(nn.Module):
                 w_down=mlp.w_down, b_down=mlp.b_down)
         tensors = self._parameters_by_role
         panels = None
-        if tokens > cpu_decode.MAX_ROWS:
+        if compiled.on_panels(tokens, cache.dtype):
             copies = self.mlp.linears.panels
             panels = {name: copies.of(tensors[name], compiled) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         key = tuple(t.data_ptr() for t in (cache, *tensors.values(), *(panels or {}).values()) if t is not None)
