@@ -1,16 +1,19 @@
 """Where a native decode step's time goes on CPU, and what each of its CPU-side choices is worth, side by side
 in one process on SmolLM2-135M (issue 31 item 1).
 
-    python bench/decode_step.py                    # 1 thread, float32, batches 1 and 8, 5 rounds (~3 min)
+    python bench/decode_step.py                    # 1 thread, float32, batches 1, 4 and 8, 5 rounds (~5 min)
     python bench/decode_step.py --threads 2 --rounds 7
 
-Two choices, each against its baseline, the rounds interleaved so that both see the same neighbours on a
+Three choices, each against its baseline, the rounds interleaved so that both see the same neighbours on a
 shared machine (the verdict is the median of the rounds' ratios):
 - pages: the engine's weights in one mapping advised for huge pages (colorl's default,
   engines/native/host_memory.py) against the same weights copied onto the heap's small pages; the
   `sum` of a 512 MiB tensor on either kind of page is printed beside it (bench/limits.py);
 - sampler: the compiled plain sampler (cpu_decode.c, `sample_plain`) against torch's operators
-  (`Sampler._inverse_cdf_two_level`), timed as the step's sampling call.
+  (`Sampler._inverse_cdf_two_level`), timed as the step's sampling call;
+- few rows: every product of a step of 1-8 sequences over the weights' panels against all on the rows kernel
+  (COLORL_CPU_DECODE_PANEL_ROWS=all / none; unset, the machine's race picks per row count, as in the other
+  columns).
 Each step is also split into the model's forward and the rest (scheduling, sampling, results).
 
 Results: bench/results/decode_step.json; summary in bench/README.md.
@@ -18,7 +21,9 @@ Results: bench/results/decode_step.json; summary in bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,6 +46,21 @@ def place_weights(model, huge: bool) -> None:
     placed = mapped_tensors({n: tuple(p.shape) for n, p in params.items()}, torch.float32) if huge else {}
     for name, param in params.items():
         param.data = placed[name].copy_(param.data) if huge else param.data.clone()
+
+
+@contextlib.contextmanager
+def panel_rows(value: str | None):
+    """COLORL_CPU_DECODE_PANEL_ROWS for the steps inside (None: unset, the race decides)."""
+    name = "COLORL_CPU_DECODE_PANEL_ROWS"
+    before = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
 
 
 def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sampler: bool) -> dict:
@@ -86,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--out", default=str(ROOT / "results" / "decode_step.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,7 +129,12 @@ def main() -> None:
                 place_weights(engine.model, huge)
                 for compiled_sampler in ((False, True) if huge else (True,)):
                     key = f"b{batch}_{'huge' if huge else 'heap'}_{'compiled' if compiled_sampler else 'torch'}_sampler"
-                    record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", compiled_sampler)
+                    with panel_rows(None):
+                        record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", compiled_sampler)
+            for products, value in (("rows_kernel", "none"), ("panels", "all")):
+                with panel_rows(value):
+                    key = f"b{batch}_huge_{products}"
+                    record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", True)
         rounds.append(record)
     place_weights(engine.model, True)
 
@@ -118,8 +143,9 @@ def main() -> None:
     print(f"sum of 512 MiB: heap pages {statistics.median(r['heap_sum_gb_s'] for r in rounds):.1f} GB/s, huge pages "
           f"{statistics.median(r['huge_sum_gb_s'] for r in rounds):.1f} GB/s, huge / heap "
           f"{statistics.median(r['huge_sum_gb_s'] / r['heap_sum_gb_s'] for r in rounds):.2f}x")
-    print("| batch | step, heap pages | step, huge pages | heap / huge | sampling, torch | sampling, compiled | torch / compiled | forward share of the step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | step, heap pages | step, huge pages | heap / huge | sampling, torch | sampling, compiled | torch / compiled "
+          "| step, rows kernel | step, panels | rows kernel / panels | forward share of the step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         heap, huge, torch_sampler = (f"b{batch}_heap_compiled_sampler", f"b{batch}_huge_compiled_sampler",
                                      f"b{batch}_huge_torch_sampler")
@@ -130,11 +156,16 @@ def main() -> None:
             "sampling_torch_ms": statistics.median(r[torch_sampler]["sampling_ms"] for r in rounds),
             "sampling_compiled_ms": statistics.median(r[huge]["sampling_ms"] for r in rounds),
             "sampler_speedup": statistics.median(r[torch_sampler]["sampling_ms"] / r[huge]["sampling_ms"] for r in rounds),
+            "step_rows_kernel_ms": statistics.median(r[f"b{batch}_huge_rows_kernel"]["step_ms"] for r in rounds),
+            "step_panels_ms": statistics.median(r[f"b{batch}_huge_panels"]["step_ms"] for r in rounds),
+            "panels_speedup": statistics.median(r[f"b{batch}_huge_rows_kernel"]["step_ms"] / r[f"b{batch}_huge_panels"]["step_ms"]
+                                                for r in rounds),
             "forward_share": statistics.median(r[huge]["forward_ms"] / r[huge]["step_ms"] for r in rounds),
         }
         summary[batch] = row
         print(f"| {batch} | {row['step_heap_ms']:.1f} ms | {row['step_huge_ms']:.1f} ms | {row['pages_speedup']:.2f}x | "
               f"{row['sampling_torch_ms']:.2f} ms | {row['sampling_compiled_ms']:.2f} ms | {row['sampler_speedup']:.1f}x | "
+              f"{row['step_rows_kernel_ms']:.1f} ms | {row['step_panels_ms']:.1f} ms | {row['panels_speedup']:.2f}x | "
               f"{100 * row['forward_share']:.0f} % |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
