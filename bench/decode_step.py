@@ -3,6 +3,7 @@ in one process on SmolLM2-135M (issue 31 item 1).
 
     python bench/decode_step.py                    # 1 thread, float32, batches 1, 4 and 8, 5 rounds (~5 min)
     python bench/decode_step.py --threads 2 --rounds 7
+    python bench/decode_step.py --dtype bfloat16   # the engine serving bf16 weights
 
 Three choices, each against its baseline, the rounds interleaved so that both see the same neighbours on a
 shared machine (the verdict is the median of the rounds' ratios):
@@ -43,7 +44,8 @@ def place_weights(model, huge: bool) -> None:
     from colorl.engines.native.host_memory import mapped_tensors
 
     params = dict(model.named_parameters())
-    placed = mapped_tensors({n: tuple(p.shape) for n, p in params.items()}, torch.float32) if huge else {}
+    dtype = next(iter(params.values())).dtype
+    placed = mapped_tensors({n: tuple(p.shape) for n, p in params.items()}, dtype) if huge else {}
     for name, param in params.items():
         param.data = placed[name].copy_(param.data) if huge else param.data.clone()
 
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default=str(ROOT / "results" / "decode_step.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,8 +117,9 @@ def main() -> None:
     from colorl.models import encode_chat, load_tokenizer, resolve_model_path
 
     model_dir = resolve_model_path("smollm2-135m-instruct")
-    engine = make_engine("native", model_dir, torch.float32)
-    if engine.model.compiled(torch.float32, torch.device("cpu")) is None:
+    dtype = getattr(torch, args.dtype)
+    engine = make_engine("native", model_dir, dtype)
+    if engine.model.compiled(dtype, torch.device("cpu")) is None:
         sys.exit("decode_step: the native engine's compiled loops are not used here; nothing to compare")
     prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
     reader = MemoryReader()
@@ -139,7 +143,7 @@ def main() -> None:
     place_weights(engine.model, True)
 
     summary = {}
-    print(f"{cpu_model()}, {args.threads} threads, float32, SmolLM2-135M, {args.rounds} rounds (median of per-round ratios)")
+    print(f"{cpu_model()}, {args.threads} threads, {args.dtype}, SmolLM2-135M, {args.rounds} rounds (median of per-round ratios)")
     print(f"sum of 512 MiB: heap pages {statistics.median(r['heap_sum_gb_s'] for r in rounds):.1f} GB/s, huge pages "
           f"{statistics.median(r['huge_sum_gb_s'] for r in rounds):.1f} GB/s, huge / heap "
           f"{statistics.median(r['huge_sum_gb_s'] / r['heap_sum_gb_s'] for r in rounds):.2f}x")
@@ -169,7 +173,7 @@ def main() -> None:
               f"{100 * row['forward_share']:.0f} % |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "summary": summary, "rounds": rounds},
+    out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "dtype": args.dtype, "summary": summary, "rounds": rounds},
                               indent=1))
     print(f"wrote {out}")
 
