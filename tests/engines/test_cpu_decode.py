@@ -371,37 +371,35 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         verdicts.record_in_run(None)
 
 
-@pytest.mark.parametrize("value, rows", [("all", {*range(1, cpu_decode.MAX_PANEL_ROWS + 1), cpu_decode.PREFILL_ROWS}),
-                                         ("none", set()),
-                                         ("1,3", {1, 3})])
-def test_rows_verdict_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):
-    """The CI lanes force each extreme, so both kernels run at every row count whatever this CPU's race says."""
-    monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", value)
+ROWS, PANEL_ROWS = "COLORL_CPU_DECODE_ROWS", "COLORL_CPU_DECODE_PANEL_ROWS"
+
+
+@pytest.mark.parametrize("name, value, rows", [
+    (ROWS, "all", {*range(1, cpu_decode.MAX_PANEL_ROWS + 1), cpu_decode.PREFILL_ROWS}), (ROWS, "none", set()),
+    (ROWS, "1,3", {1, 3}),
+    (PANEL_ROWS, "all", set(range(1, cpu_decode.MAX_ROWS + 1))), (PANEL_ROWS, "none", set()), (PANEL_ROWS, "5,8", {5, 8})])
+def test_the_decode_verdicts_can_be_forced_without_a_race(compiled, monkeypatch, name, value, rows):
+    """The suite and the CI lanes force each extreme (the loops or oneDNN; a few rows over the panels or on the rows
+    kernel), so every kernel runs at every row count whatever this CPU's race says."""
+    monkeypatch.setenv(name, value)
     monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: pytest.fail("raced"))
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
-    assert library.rows_won(torch.float32) == rows and library.rows_won(torch.bfloat16) == rows
-    assert library.takes(1000, torch.float32) == (value == "all")  # above MAX_PANEL_ROWS: with 32 and PREFILL_ROWS
+    read = library.rows_won if name == ROWS else library.panel_rows
+    assert read(torch.float32) == rows and read(torch.bfloat16) == rows
+    if name == ROWS:
+        assert library.takes(1000, torch.float32) == (value == "all")  # above MAX_PANEL_ROWS: with 32 and PREFILL_ROWS
+    else:  # above MAX_ROWS always over the panels
+        assert {r for r in range(1, 2 * cpu_decode.MAX_ROWS) if library.on_panels(r, torch.float32)} == (
+            rows | set(range(cpu_decode.MAX_ROWS + 1, 2 * cpu_decode.MAX_ROWS)))
 
 
-def test_a_bad_forced_rows_verdict_is_one_clear_error(monkeypatch):
-    monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", str(cpu_decode.MAX_PANEL_ROWS + 1))
-    with pytest.raises(ValueError, match="COLORL_CPU_DECODE_ROWS"):
-        cpu_decode.forced_rows()
-
-
-@pytest.mark.parametrize("value, rows", [("all", set(range(1, cpu_decode.MAX_ROWS + 1))), ("none", set()),
-                                         ("5,8", {5, 8})])
-def test_the_few_rows_that_run_over_the_panels_can_be_forced_without_a_race(compiled, monkeypatch, value, rows):
-    """The suite puts every few-row product on the panels and `make test-avx2` none, whatever this CPU's race says."""
-    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", value)
-    monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: pytest.fail("raced"))
-    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
-    assert library.panel_rows(torch.float32) == rows and library.panel_rows(torch.bfloat16) == rows
-    assert {r for r in range(1, 2 * cpu_decode.MAX_ROWS) if library.on_panels(r, torch.float32)} == (
-        rows | set(range(cpu_decode.MAX_ROWS + 1, 2 * cpu_decode.MAX_ROWS)))
-    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", str(cpu_decode.MAX_ROWS + 1))
-    with pytest.raises(ValueError, match="COLORL_CPU_DECODE_PANEL_ROWS"):
-        cpu_decode.forced_panel_rows()
+@pytest.mark.parametrize("name, read, bad", [(ROWS, cpu_decode.forced_rows, cpu_decode.MAX_PANEL_ROWS + 1),
+                                             (PANEL_ROWS, cpu_decode.forced_panel_rows, cpu_decode.MAX_ROWS + 1)])
+def test_a_bad_forced_decode_verdict_is_one_clear_error(monkeypatch, name, read, bad):
+    for value in (str(bad), "1,x"):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            read()
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)

@@ -345,45 +345,38 @@ def decode_scratch_values(step: DecodeStep) -> int:
     return step.tokens * (4 * step.hidden + width + step.heads * step.head_dim + 3 * step.intermediate)
 
 
-def forced_rows() -> frozenset[int] | None:
-    """COLORL_CPU_DECODE_ROWS: "all", "none" or row counts ("1,2,5"), for every dtype and thread count
-    (the CI lanes force each extreme, so that both kernels are tested at every row count on any CPU);
-    unset: the race decides."""
-    value = os.environ.get("COLORL_CPU_DECODE_ROWS", "").strip().lower()
+def _forced_counts(name: str, every: frozenset[int], hint: str) -> frozenset[int] | None:
+    """Environment variable `name`: "all" (`every`), "none" or row counts from `every` ("1,2,5"); unset: None.
+    Anything else is one clear error naming the variable and what it takes (`hint`)."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
         return None
-    if value == "all":  # every row count, above MAX_PANEL_ROWS too
-        return frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}
+    if value == "all":
+        return every
     if value == "none":
         return frozenset()
     try:
         rows = frozenset(int(part) for part in value.split(","))
     except ValueError:
         rows = frozenset({0})
-    if not rows <= set(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}:
-        raise ValueError(f"COLORL_CPU_DECODE_ROWS={value!r}: give all, none or row counts from 1 to {MAX_PANEL_ROWS} "
-                         f"({PREFILL_ROWS}: every count above {MAX_PANEL_ROWS})")
+    if not rows <= every:
+        raise ValueError(f"{name}={value!r}: give all, none or row counts {hint}")
     return rows
+
+
+def forced_rows() -> frozenset[int] | None:
+    """COLORL_CPU_DECODE_ROWS: "all", "none" or row counts ("1,2,5"), for every dtype and thread count
+    (the CI lanes force each extreme, so that both kernels are tested at every row count on any CPU);
+    unset: the race decides. "all" takes every row count, above MAX_PANEL_ROWS too."""
+    return _forced_counts("COLORL_CPU_DECODE_ROWS", frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS},
+                          f"from 1 to {MAX_PANEL_ROWS} ({PREFILL_ROWS}: every count above {MAX_PANEL_ROWS})")
 
 
 def forced_panel_rows() -> frozenset[int] | None:
     """COLORL_CPU_DECODE_PANEL_ROWS: "all", "none" or row counts up to MAX_ROWS ("5,8") whose products run over
     the panels, for every dtype and thread count (the tests force each, so that both paths are tested on any
     CPU); unset: the race decides."""
-    value = os.environ.get("COLORL_CPU_DECODE_PANEL_ROWS", "").strip().lower()
-    if not value:
-        return None
-    if value == "all":
-        return frozenset(range(1, MAX_ROWS + 1))
-    if value == "none":
-        return frozenset()
-    try:
-        rows = frozenset(int(part) for part in value.split(","))
-    except ValueError:
-        rows = frozenset({0})
-    if not rows <= set(range(1, MAX_ROWS + 1)):
-        raise ValueError(f"COLORL_CPU_DECODE_PANEL_ROWS={value!r}: give all, none or row counts from 1 to {MAX_ROWS}")
-    return rows
+    return _forced_counts("COLORL_CPU_DECODE_PANEL_ROWS", frozenset(range(1, MAX_ROWS + 1)), f"from 1 to {MAX_ROWS}")
 
 
 def between_raced(won: frozenset[int]) -> frozenset[int]:
