@@ -333,11 +333,12 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, cache, step, compiled), compiled)
         return x, self.mlp(h, compiled)
 
-    def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, tokens: int) -> cpu_decode.DecodeLayer:
-        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layers`) of `tokens`
-        sequences: with its matrices' panels where its products run over them (above the rows kernel's MAX_ROWS,
-        and below where this machine's race chose them). Checked and built once per storage: kept while every
-        pointer in it (weights, cache, panels) is the same, as it is from one decode step to the next (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
+    def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, on_panels: bool) -> cpu_decode.DecodeLayer:
+        """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layers`): with its
+        matrices' panels when the step's products run over them (`CpuDecode.on_panels`: above the rows kernel's
+        MAX_ROWS, and below where this machine's race chose them). Checked and built once per storage: kept while
+        every pointer in it (weights, cache, panels) is the same, as it is from one decode step to the next
+        (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
         if self._parameters_by_role is None:  # the Parameter objects stay; their storage may not
             attn, mlp = self.self_attn, self.mlp
             self._parameters_by_role = dict(
@@ -346,7 +347,7 @@ class DecoderLayer(nn.Module):
                 w_down=mlp.w_down, b_down=mlp.b_down)
         tensors = self._parameters_by_role
         panels = None
-        if compiled.on_panels(tokens, cache.dtype):
+        if on_panels:
             copies = self.mlp.linears.panels
             panels = {name: copies.of(tensors[name], compiled) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         key = tuple(t.data_ptr() for t in (cache, *tensors.values(), *(panels or {}).values()) if t is not None)
@@ -389,7 +390,8 @@ class CausalLM(nn.Module):
         fused = self._whole_layers(step, compiled, x, kv_cache.shape[1])
         if fused is not None:  # one compiled call for every layer
             inputs, scratch = fused
-            layers = [layer.compiled_tensors(cache, compiled, x.shape[0]) for layer, cache in zip(self.layers, kv_cache)]
+            on_panels = compiled.on_panels(x.shape[0], x.dtype)  # the same for every layer of the step
+            layers = [layer.compiled_tensors(cache, compiled, on_panels) for layer, cache in zip(self.layers, kv_cache)]
             delta = compiled.decode_layers(x, (cpu_decode.DecodeLayer * len(layers))(*layers), inputs, scratch)
         else:
             for layer, cache in zip(self.layers, kv_cache):
