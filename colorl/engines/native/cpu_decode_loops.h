@@ -153,7 +153,6 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
                                                                    int64_t K, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
         int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-        if (width <= 0) break; /* the padding panel of the last pair */
         const ELEM *wp = panels + p * K * PANEL;
         v8 c[8] = {{0}};
         for (int64_t k = 0; k < K; k++) {
