@@ -300,7 +300,7 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
     def race(library, dtype):
         raced.append((dtype, torch.get_num_threads()))
         return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {},
-                "panel_rows": [8] if dtype == torch.float32 else []}
+                "panel_rows": [8] if dtype == torch.float32 else [], "loops": {}}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -340,12 +340,13 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
 
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("COLORL_CPU_DECODE_ROWS", raising=False)
+    monkeypatch.delenv("COLORL_CPU_DECODE_PANEL_ROWS", raising=False)  # a forced loop is not the raced one
     raced = []
 
     def race(library, dtype):
         raced.append(dtype)
         seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
-        return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": []}
+        return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": [], "loops": {}}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_BYTES", 1)  # the tiny model's weights count as a stream from memory
@@ -406,10 +407,57 @@ def test_a_bad_forced_decode_verdict_is_one_clear_error(monkeypatch, name, read,
 def test_race_measures_every_row_count(compiled, dtype):
     verdict = cpu_decode.race_rows(compiled, dtype)
     raced = {*range(1, cpu_decode.MAX_ROWS + 1), *cpu_decode.PANEL_RACE_ROWS}
-    assert set(verdict["seconds"]) == {str(rows) for rows in raced}
+    assert set(verdict["seconds"]) == set(verdict["loops"]) == {str(rows) for rows in raced}
     assert set(verdict["won"]) <= raced
     few = set(range(1, cpu_decode.MAX_ROWS + 1))  # the panels against the rows kernel
     assert set(verdict["panel_seconds"]) == {str(rows) for rows in few} and set(verdict["panel_rows"]) <= few
+    assert verdict["loops"] == {str(rows): "panels" if rows in verdict["panel_rows"] or rows > cpu_decode.MAX_ROWS
+                                else "rows kernel" for rows in raced}
+
+
+def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkeypatch):
+    """The panels' race against the rows kernel comes first; its winner at each row count is what races oneDNN,
+    so the verdict's seconds (which VerdictWatch holds a run's steps to) are those of the loop a step runs."""
+    from colorl import verdicts
+
+    calls, races = [], []
+
+    def stable_race(items, rounds):
+        races.append(set(items))
+        won = {3, 5} if len(races) == 1 else set(items)  # the first race: the panels win 3 and 5 rows
+        calls.append({})
+        for rows, (candidate, _) in items.items():
+            before = len(loop_calls)
+            candidate()
+            calls[-1][rows] = set(loop_calls[before:])
+        return {"won": sorted(won), "busy": False, "seconds": {str(rows): [[1.0, 2.0]] for rows in items}}
+
+    loop_calls = []
+    monkeypatch.setattr(verdicts, "stable_race", stable_race)
+    for name in ("linear", "panel_linear"):
+        monkeypatch.setattr(compiled, name, lambda *args, name=name, call=getattr(compiled, name):
+                            loop_calls.append(name) or call(*args))
+    verdict = cpu_decode.race_rows(compiled, torch.float32)
+    assert races[0] == set(range(1, cpu_decode.MAX_ROWS + 1)) and verdict["panel_rows"] == [3, 5]
+    against_onednn = calls[1]
+    assert {rows for rows, loops in against_onednn.items() if loops == {"panel_linear"}} == (
+        {3, 5} | set(cpu_decode.PANEL_RACE_ROWS))
+    assert {rows for rows, loops in against_onednn.items() if loops == {"linear"}} == (
+        set(range(1, cpu_decode.MAX_ROWS + 1)) - {3, 5})
+
+
+def test_a_rows_verdict_from_before_the_loops_were_named_is_raced_again(compiled, tmp_path, monkeypatch):
+    from colorl.machine import machine_key
+
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
+    monkeypatch.delenv("COLORL_CPU_DECODE_ROWS", raising=False)
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    key = f"{machine_key()} {library.rows_verdict_name(torch.float32, torch.get_num_threads())}"
+    old = {"won": [1], "busy": False, "seconds": {}, "panel_rows": [], "measured": "2026-11-26 10:00:00"}
+    (tmp_path / "kernels.json").write_text(json.dumps({key: old}))
+    monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: {
+        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}})
+    assert library.rows_won(torch.float32) == {1, 2}
 
 
 def test_panel_row_counts_between_the_raced_ones_follow_both_neighbours():

@@ -184,7 +184,7 @@ class CpuDecode:
         from colorl.verdicts import measured_verdict
 
         return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype),
-                                keys=("won", "panel_rows"))
+                                keys=("won", "panel_rows", "loops"))
 
     def takes(self, rows: int, dtype: torch.dtype) -> bool:
         """The loops run a product of `rows` rows in `dtype` here (`rows_won`; above MAX_PANEL_ROWS: when both
@@ -214,7 +214,8 @@ class CpuDecode:
         its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
         second it streamed. Steps over fewer weight bytes than the race's (a model a cache holds, whose calls
         weigh more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is."""
-        if weight_bytes < RACE_BYTES or dtype not in DTYPES or forced_rows() is not None:
+        if (weight_bytes < RACE_BYTES or dtype not in DTYPES or forced_rows() is not None
+                or forced_panel_rows() is not None):
             return
         watch = self._rows_watch(dtype, torch.get_num_threads())
         watch.observe(rows, seconds * RACE_BYTES / (weight_bytes + kv_bytes()))
@@ -393,11 +394,12 @@ def between_raced(won: frozenset[int]) -> frozenset[int]:
 
 
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
-    """For 1..MAX_ROWS rows (the rows kernel) and PANEL_RACE_ROWS (the panels), the loops against the
-    engine's other product over weights that do not fit in cache, as a decode step streams them
-    (colorl.verdicts.stable_race: the loops win a row count only clearly, in every pass); then, at
-    1..MAX_ROWS rows, the panels against the rows kernel (`panel_rows`: which of the two a few rows take;
-    which wins moves with the CPU's loads per cycle and registers, bench/rows_stream.py)."""
+    """Which product the engine runs at each row count, over weights that do not fit in cache, as a decode step
+    streams them (colorl.verdicts.stable_race: a candidate wins a row count only clearly, in every pass). First,
+    at 1..MAX_ROWS rows, the panels against the rows kernel (`panel_rows`: which of the two loops a few rows
+    take; which wins moves with the CPU's loads per cycle and registers, bench/rows_stream.py). Then the loop
+    a row count takes (`loops`: that winner up to MAX_ROWS, the panels at PANEL_RACE_ROWS) against the
+    engine's other product (`won`), so that `seconds` holds the times of what a step runs (VerdictWatch)."""
     from colorl.kernels import PackedLinears
     from colorl.verdicts import stable_race
 
@@ -415,15 +417,17 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     def on_rows_kernel(x):
         return lambda: [compiled.linear(x, w, None) for w in weights]
 
-    items = {}
-    for rows, x in xs.items():
-        count = len(weights) if rows <= MAX_PANEL_ROWS else 2  # a prefill's product is long enough on two
-        ours = on_rows_kernel(x) if rows <= MAX_ROWS else on_panels(x, count)
-        items[rows] = (ours, lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]])
-    verdict = stable_race(items, RACE_ROUNDS)
     few = stable_race({rows: (on_panels(xs[rows]), on_rows_kernel(xs[rows])) for rows in range(1, MAX_ROWS + 1)},
                       RACE_ROUNDS)
-    return {**verdict, "panel_rows": few["won"], "busy": verdict["busy"] or few["busy"],
+    loops, items = {}, {}
+    for rows, x in xs.items():
+        count = len(weights) if rows <= MAX_PANEL_ROWS else 2  # a prefill's product is long enough on two
+        over_panels = rows > MAX_ROWS or rows in few["won"]
+        loops[str(rows)] = "panels" if over_panels else "rows kernel"
+        ours = on_panels(x, count) if over_panels else on_rows_kernel(x)
+        items[rows] = (ours, lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]])
+    verdict = stable_race(items, RACE_ROUNDS)
+    return {**verdict, "panel_rows": few["won"], "loops": loops, "busy": verdict["busy"] or few["busy"],
             "panel_seconds": few["seconds"]}
 
 
