@@ -86,7 +86,6 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * over the same 85 MB on one Zen 3 core these loops read 0.82-0.85x a plain sum's rate at 8 rows,
  * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. */
 #define PANEL 8
-#define TILE 6
 #define PANEL_AHEAD 2048
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
@@ -101,6 +100,37 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
                 panels[(p * K + k) * PANEL + j] = n < N ? w[n * K + k] : zero;
             }
 }
+
+#if defined(__AVX512F__)
+/* With AVX-512 (32 registers of 16 floats) a pair of panels is one register: per k the two weight
+ * vectors are joined (one vinsertf32x8) and TILE = 8 broadcasts feed eight 16-wide FMAs, twice the
+ * arithmetic per instruction of the 8-wide tile below, which ran at 38 % of an AVX-512 core's matmul
+ * rate (bench/README.md, the Xeon's floors). */
+#define TILE 8
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
+                                                                   int64_t K, int fetch, v8 c[TILE][2]) {
+    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
+    for (int64_t k = 0; k < K; k++) {
+        const ELEM *ka = wa + k * PANEL, *kb = wb + k * PANEL;
+        if (fetch) {
+            __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
+            __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
+        }
+        v16 w = __builtin_shufflevector(LOAD8(ka), LOAD8(kb), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const float *xk = xt + k * TILE;
+        s0 += w * xk[0]; s1 += w * xk[1]; s2 += w * xk[2]; s3 += w * xk[3];
+        s4 += w * xk[4]; s5 += w * xk[5]; s6 += w * xk[6]; s7 += w * xk[7];
+    }
+    v16 s[TILE] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    for (int i = 0; i < TILE; i++) {
+        c[i][0] = __builtin_shufflevector(s[i], s[i], 0, 1, 2, 3, 4, 5, 6, 7);
+        c[i][1] = __builtin_shufflevector(s[i], s[i], 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+}
+#else
+#define TILE 6
 
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
                                                                    int64_t K, int fetch, v8 c[TILE][2]) {
@@ -130,6 +160,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
     c[0][0] = c00; c[0][1] = c01; c[1][0] = c10; c[1][1] = c11; c[2][0] = c20; c[2][1] = c21;
     c[3][0] = c30; c[3][1] = c31; c[4][0] = c40; c[4][1] = c41; c[5][0] = c50; c[5][1] = c51;
 }
+#endif
 
 /* Row b's sums for outputs n0.. (width of them, the rest padding), plus the bias, into y. */
 static inline void NAMED(store_sums)(ELEM *row, v8 sums, const float *bv, int64_t width) {
@@ -146,6 +177,42 @@ static inline void NAMED(panel_bias)(const ELEM *bias, int64_t n0, int64_t width
     for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
 }
 
+#if defined(__AVX512F__)
+/* Pairs of panels q0..q1 against B <= 8 rows of x packed k-major (xt [K, B]), a pair in one 16-wide
+ * register as in the tile above: per k B FMAs for 16 outputs where the 8-wide loop below needs B
+ * for 8. B is a constant where it is inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
+                                                                   const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                                                                   int64_t K, int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; q++) {
+        const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
+        v16 c[8] = {{0}};
+        for (int64_t k = 0; k < K; k++) {
+            if (!(k & 1)) {
+                __builtin_prefetch(wa + k * PANEL + PANEL_AHEAD, 0, 2);
+                __builtin_prefetch(wb + k * PANEL + PANEL_AHEAD, 0, 2);
+            }
+            v16 w = __builtin_shufflevector(LOAD8(wa + k * PANEL), LOAD8(wb + k * PANEL), 0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                            9, 10, 11, 12, 13, 14, 15);
+            const float *xk = xt + k * B;
+#pragma GCC unroll 8
+            for (int64_t b = 0; b < B; b++) c[b] += w * xk[b];
+        }
+        for (int v = 0; v < 2; v++) {
+            int64_t n0 = (2 * q + v) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+            if (width <= 0) break;
+            float bv[PANEL];
+            NAMED(panel_bias)(bias, n0, width, bv);
+            for (int64_t b = 0; b < B; b++) {
+                v8 half = v ? __builtin_shufflevector(c[b], c[b], 8, 9, 10, 11, 12, 13, 14, 15)
+                            : __builtin_shufflevector(c[b], c[b], 0, 1, 2, 3, 4, 5, 6, 7);
+                NAMED(store_sums)(y + b * N + n0, half, bv, width);
+            }
+        }
+    }
+}
+#define FEW_UNITS(N) (((N) + 2 * PANEL - 1) / (2 * PANEL)) /* what panel_rows' q0..q1 count: pairs */
+#else
 /* Panels p0..p1 against B <= 8 rows of x packed k-major (xt [K, B]). B is a constant where it is
  * inlined, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
@@ -168,10 +235,13 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
     }
 }
 
-/* Up to 8 rows: each thread one contiguous run of panels. */
+#define FEW_UNITS(N) (((N) + PANEL - 1) / PANEL) /* panels */
+#endif
+
+/* Up to 8 rows: each thread one contiguous run of panels (of pairs of panels with AVX-512). */
 static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                              int64_t K, int threads) {
-    int64_t count = (N + PANEL - 1) / PANEL;
+    int64_t count = FEW_UNITS(N);
     float *xt = malloc(sizeof(float) * K * B);
     if (!xt) return COLORL_NO_MEMORY;
     for (int64_t k = 0; k < K; k++)
