@@ -312,11 +312,15 @@ def floor_verdicts(floor: dict) -> list[str]:
         else:
             shares = [r["share_of_matmul_rate"] for r in runs]
             met = row["share_of_matmul_rate"] >= bar
+            bar_ms = row["gflop_s"] * row["step_ms"] / (bar * row["matmul_gflop_s"])  # the step's FLOPs at the bar
             lines.append(f"decode batch {row['batch']:2d}: {row['step_ms']:6.1f} ms/step = {row['gflop_s']:.0f} GFLOP/s, "
                          f"{100 * row['share_of_matmul_rate']:.0f} % of the matmul rate {row['matmul_gflop_s']:.0f} "
                          f"(rounds {100 * min(shares):.0f}-{100 * max(shares):.0f} %, {sum(x >= bar for x in shares)} of "
                          f"{len(shares)} at or above; bar {100 * bar:.0f} %: {'met' if met else 'NOT met'}); "
-                         f"{row['step_over_floor']:.1f}x the memory floor")
+                         f"{row['step_over_floor']:.1f}x the memory floor; a step at the bar takes {bar_ms:.1f} ms = "
+                         f"{bar_ms / row['floor_ms']:.2f}x the memory floor"
+                         + (" (the bar is beyond this CPU's memory: no step reads its weights that fast)"
+                            if bar_ms < row["floor_ms"] else ""))
     return lines
 
 
