@@ -415,18 +415,22 @@ def test_race_measures_every_row_count(compiled, dtype):
                                 else "rows kernel" for rows in raced}
 
 
-def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkeypatch):
+@pytest.mark.parametrize("other_wins", [True, False])
+def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkeypatch, other_wins):
     """The panels' race against the rows kernel comes first; its winner at each row count is what races oneDNN,
-    so the verdict's seconds (which VerdictWatch holds a run's steps to) are those of the loop a step runs."""
+    so the verdict's seconds (which VerdictWatch holds a run's steps to) are those of the loop a step runs. Up to
+    MAX_ROWS oneDNN must win clearly (a tie stays with the loops, whose step runs every layer in one call);
+    above, the loops must."""
     from colorl import verdicts
 
     calls, races = [], []
 
     def stable_race(items, rounds):
         races.append(set(items))
-        won = {3, 5} if len(races) == 1 else set(items)  # the first race: the panels win 3 and 5 rows
+        # the first race: the panels win 3 and 5 rows; the second: each candidate wins, or none does (ties)
+        won = {3, 5} if len(races) == 1 else set(items) if other_wins else set()
         calls.append({})
-        for rows, (candidate, _) in items.items():
+        for rows, (candidate, baseline) in items.items():
             before = len(loop_calls)
             candidate()
             calls[-1][rows] = set(loop_calls[before:])
@@ -438,12 +442,15 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
         monkeypatch.setattr(compiled, name, lambda *args, name=name, call=getattr(compiled, name):
                             loop_calls.append(name) or call(*args))
     verdict = cpu_decode.race_rows(compiled, torch.float32)
-    assert races[0] == set(range(1, cpu_decode.MAX_ROWS + 1)) and verdict["panel_rows"] == [3, 5]
-    against_onednn = calls[1]
-    assert {rows for rows, loops in against_onednn.items() if loops == {"panel_linear"}} == (
-        {3, 5} | set(cpu_decode.PANEL_RACE_ROWS))
-    assert {rows for rows, loops in against_onednn.items() if loops == {"linear"}} == (
-        set(range(1, cpu_decode.MAX_ROWS + 1)) - {3, 5})
+    few, many = set(range(1, cpu_decode.MAX_ROWS + 1)), set(cpu_decode.PANEL_RACE_ROWS)
+    assert races[0] == few and verdict["panel_rows"] == [3, 5]
+    candidates = calls[1]  # the loops are the candidate above MAX_ROWS only
+    assert {rows for rows, loops in candidates.items() if loops == {"panel_linear"}} == many
+    assert {rows for rows, loops in candidates.items() if not loops} == few
+    assert set(verdict["won"]) == (many if other_wins else few)
+    for rows in few:  # each pass's seconds as [loops, other], whichever was the candidate
+        assert verdict["seconds"][str(rows)] == [[2.0, 1.0]]
+    assert verdict["loops"] == {str(rows): "panels" if rows in {3, 5} | many else "rows kernel" for rows in few | many}
 
 
 def test_a_rows_verdict_from_before_the_loops_were_named_is_raced_again(compiled, tmp_path, monkeypatch):

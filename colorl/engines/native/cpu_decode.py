@@ -399,7 +399,11 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     at 1..MAX_ROWS rows, the panels against the rows kernel (`panel_rows`: which of the two loops a few rows
     take; which wins moves with the CPU's loads per cycle and registers, bench/rows_stream.py). Then the loop
     a row count takes (`loops`: that winner up to MAX_ROWS, the panels at PANEL_RACE_ROWS) against the
-    engine's other product (`won`), so that `seconds` holds the times of what a step runs (VerdictWatch)."""
+    engine's other product (`won`: where the loops run), so that `seconds` holds the times of what a step runs
+    (VerdictWatch), each pass's [loops, other]. Up to MAX_ROWS the other product must be the clear winner: a
+    near tie stays with the loops, whose decode step runs every layer in one call (the products alone do not
+    show what that saves: on a Xeon at two threads, oneDNN's products at 1 row tied with the loops' and its
+    step took 1.6x the memory floor, bench/README.md); above, the loops must be."""
     from colorl.kernels import PackedLinears
     from colorl.verdicts import stable_race
 
@@ -425,10 +429,15 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
         over_panels = rows > MAX_ROWS or rows in few["won"]
         loops[str(rows)] = "panels" if over_panels else "rows kernel"
         ours = on_panels(x, count) if over_panels else on_rows_kernel(x)
-        items[rows] = (ours, lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]])
+        other = lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]]
+        items[rows] = (other, ours) if rows <= MAX_ROWS else (ours, other)  # (candidate, baseline)
     verdict = stable_race(items, RACE_ROUNDS)
-    return {**verdict, "panel_rows": few["won"], "loops": loops, "busy": verdict["busy"] or few["busy"],
-            "panel_seconds": few["seconds"]}
+    candidate_won = {str(rows) for rows in verdict["won"]}
+    won = [rows for rows in xs if (rows <= MAX_ROWS) != (str(rows) in candidate_won)]
+    seconds = {item: [passed[::-1] if int(item) <= MAX_ROWS else passed for passed in passes]
+               for item, passes in verdict["seconds"].items()}
+    return {**verdict, "won": won, "seconds": seconds, "panel_rows": few["won"], "loops": loops,
+            "busy": verdict["busy"] or few["busy"], "panel_seconds": few["seconds"]}
 
 
 class PanelCopies:
