@@ -300,7 +300,8 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
     def race(library, dtype):
         raced.append((dtype, torch.get_num_threads()))
         return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {},
-                "panel_rows": [8] if dtype == torch.float32 else [], "loops": {}}
+                "panel_rows": [8] if dtype == torch.float32 else [], "loops": {},
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -346,7 +347,8 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
     def race(library, dtype):
         raced.append(dtype)
         seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
-        return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": [], "loops": {}}
+        return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": [], "loops": {},
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_BYTES", 1)  # the tiny model's weights count as a stream from memory
@@ -453,17 +455,19 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     assert verdict["loops"] == {str(rows): "panels" if rows in {3, 5} | many else "rows kernel" for rows in few | many}
 
 
-def test_a_rows_verdict_from_before_the_loops_were_named_is_raced_again(compiled, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kept", [{"panel_rows": []}, {"panel_rows": [], "loops": {}}])
+def test_a_rows_verdict_raced_by_older_rules_is_raced_again(compiled, tmp_path, monkeypatch, kept):
+    """Older verdicts: before the loop each row count races was named, and before a tie went to the loops."""
     from colorl.machine import machine_key
 
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
     monkeypatch.delenv("COLORL_CPU_DECODE_ROWS", raising=False)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
     key = f"{machine_key()} {library.rows_verdict_name(torch.float32, torch.get_num_threads())}"
-    old = {"won": [1], "busy": False, "seconds": {}, "panel_rows": [], "measured": "2026-11-26 10:00:00"}
+    old = {"won": [1], "busy": False, "seconds": {}, "measured": "2026-11-26 10:00:00", **kept}
     (tmp_path / "kernels.json").write_text(json.dumps({key: old}))
     monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: {
-        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}})
+        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8})
     assert library.rows_won(torch.float32) == {1, 2}
 
 

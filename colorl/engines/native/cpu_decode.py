@@ -184,7 +184,7 @@ class CpuDecode:
         from colorl.verdicts import measured_verdict
 
         return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype),
-                                keys=("won", "panel_rows", "loops"))
+                                keys=("won", "panel_rows", "loops", "ties_to_loops_up_to"))
 
     def takes(self, rows: int, dtype: torch.dtype) -> bool:
         """The loops run a product of `rows` rows in `dtype` here (`rows_won`; above MAX_PANEL_ROWS: when both
@@ -437,7 +437,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     seconds = {item: [passed[::-1] if int(item) <= MAX_ROWS else passed for passed in passes]
                for item, passes in verdict["seconds"].items()}
     return {**verdict, "won": won, "seconds": seconds, "panel_rows": few["won"], "loops": loops,
-            "busy": verdict["busy"] or few["busy"], "panel_seconds": few["seconds"]}
+            "busy": verdict["busy"] or few["busy"], "panel_seconds": few["seconds"], "ties_to_loops_up_to": MAX_ROWS}
 
 
 class PanelCopies:
