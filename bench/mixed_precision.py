@@ -6,9 +6,9 @@ weights cast to bf16 — what `auto` picks where this machine's race says bf16 i
 Both run the same config and seed one after the other in this script, every step, with the held-out greedy
 accuracy before step 1 and every `run.eval_every` steps. Prints the CPU, whether it has bf16 matrix products,
 what `auto` picks here, the step ratio against issue 31's 1.5x bar, and whether the final held-out accuracies
-differ by more than their sampling noise. Writes bench/results/mixed_precision.json.
+differ by more than their sampling noise. Writes bench/results/mixed_precision.json (or --out).
 
-    python bench/mixed_precision.py [--config configs/quickstart.yaml] [--steps 12]
+    python bench/mixed_precision.py [--config configs/quickstart.yaml] [--steps 12] [--out FILE]
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/quickstart.yaml")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_precision.json")
     args = parser.parse_args()
 
     import torch
@@ -101,7 +102,7 @@ def main() -> int:
           + ("" if native else " — this CPU has no bf16 units: the bar is for CPUs that have them"))
     print(f"held-out at step {last}: {bf16['held_out'][last]:.0%} against {base['held_out'][last]:.0%}, "
           f"{'within' if curve_met else 'beyond'} the noise of {prompts} prompts (±{allowed:.0%})")
-    out = ROOT / "bench" / "results" / "mixed_precision.json"
+    out = args.out
     out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_summary(), "bf16_products": native, "auto_picks_bf16": auto,
         "auto_why": why, "config": args.config, "steps": args.steps, "rows": rows, "step_bar": STEP_BAR,
