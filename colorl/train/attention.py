@@ -8,7 +8,8 @@ the installed stack provides (`packed_attention`; the run's start line in events
 - CUDA in fp16/bf16 otherwise (the SGLang environment, whose only FlashAttention is version 4,
   which transformers does not count as 2): `colorl_varlen_flash`, torch's own FlashAttention
   varlen kernel (`torch.nn.attention.varlen.varlen_attn`), one call per packed row, no host sync;
-- everywhere else (CPU, float32): `colorl_varlen`, one causal SDPA call per sequence: a single
+- everywhere else (CPU, float32; on a CPU bf16 inputs compute in float32): `colorl_varlen`, one
+  causal SDPA call per sequence: a single
   masked SDPA over the whole row would spend T² work on the blocks between sequences. It also runs
   rows whose samples share their prompt (colorl/train/packing.py, `prompt_of`): the prompt causally,
   then all its samples in one SDPA call over the prompt and themselves, each sample causal to itself.
@@ -41,6 +42,13 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     the row and see all of it."""
     if cu_seq_lens_q is None:
         raise ValueError(f"{VARLEN} attention needs cu_seq_lens_q (a packed micro-batch)")
+    if query.device.type == "cpu" and query.dtype in FLASH_DTYPES:
+        # On a CPU, in float32: torch's CPU flash-attention backward in bf16 took 6.5x its float32 time on an
+        # AMX Xeon (15 % of the bf16 train phase, bench/README.md), and the engine's decode attention, whose
+        # log-probs the loss compares with, computes in float32 too. The output is rounded back once.
+        out, _ = varlen_sdpa(module, query.float(), key.float(), value.float(), attention_mask, dropout, scaling,
+                             cu_seq_lens_q, prompt_of, **kwargs)
+        return out.to(query.dtype), None
     gqa = query.shape[1] != key.shape[1]
     bounds = cu_seq_lens_q.tolist()
 

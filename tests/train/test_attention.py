@@ -60,3 +60,18 @@ def test_only_the_sdpa_path_runs_shared_prompts():
     with pytest.raises(ValueError, match="whole sequences"):
         varlen_flash(torch.nn.Module(), q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 3, 9]), max_length_q=6,
                      prompt_of=[-1, 0])
+
+
+def test_bf16_attention_on_a_cpu_computes_in_float32_and_rounds_once():
+    """torch's CPU flash-attention backward is several times slower in bf16 than in float32 (bench/README.md):
+    on a CPU the packed attention takes bf16 in and out, computes in float32, and its gradients come back bf16."""
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 15])
+    query = torch.randn(1, 4, 15, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    key, value = (torch.randn(1, 2, 15, 8, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    got, _ = varlen_sdpa(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu, prompt_of=[-1, -1, 1])
+    wide = [t.detach().float() for t in (query, key, value)]
+    expected, _ = varlen_sdpa(None, *wide, None, scaling=0.3, cu_seq_lens_q=cu, prompt_of=[-1, -1, 1])
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected.to(torch.bfloat16))
+    got.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (query, key, value))
