@@ -74,8 +74,10 @@ class PolicyTrainer:
             checkpoint_layers(model)
         self.model = self._shard(model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # fused: one kernel over every parameter; on a CPU torch's default is a Python loop over them, 4.7x slower
+        # for SmolLM2-135M's 135M float32 parameters on an AMX Xeon (497 against 106 ms at two threads)
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
+                                           betas=(0.9, 0.999), eps=1e-8, fused=True)
         self.temperature = cfg.rollout.temperature
         self.skipped_steps = 0  # optimizer steps not taken because the gradient was not finite
         self.reference = self._build_reference(model_dir, dtype) if cfg.loss.kl_coef > 0 else None
