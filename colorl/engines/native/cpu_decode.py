@@ -402,7 +402,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     engine's other product (`won`: where the loops run), so that `seconds` holds the times of what a step runs
     (VerdictWatch), each pass's [loops, other]. Up to MAX_ROWS the other product must be the clear winner: a
     near tie stays with the loops, whose decode step runs every layer in one call (the products alone do not
-    show what that saves: on a Xeon at two threads, oneDNN's products at 1 row tied with the loops' and its
+    show what that saves: on a Xeon at two threads, MKL's products at 1 row tied with the loops' and its
     step took 1.6x the memory floor, bench/README.md); above, the loops must be."""
     from colorl.kernels import PackedLinears
     from colorl.verdicts import stable_race

@@ -103,11 +103,22 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
 
 #if defined(__AVX512F__)
 /* With AVX-512 (32 registers of 16 floats) a pair of panels is one register: per k the two weight
- * vectors are joined (one vinsertf32x8) and TILE = 8 broadcasts feed eight 16-wide FMAs, twice the
+ * vectors are joined (one vshuff32x4) and TILE = 8 broadcasts feed eight 16-wide FMAs, twice the
  * arithmetic per instruction of the 8-wide tile below, which ran at 38 % of an AVX-512 core's matmul
  * rate (bench/README.md, the Xeon's floors). */
 #define TILE 8
 typedef float v16 __attribute__((vector_size(64)));
+
+/* k's 8 weights of panel a and of panel b, as one 16-wide register (one vshuff32x4). */
+static inline v16 NAMED(pair_at)(const ELEM *a, const ELEM *b) {
+    return __builtin_shufflevector(LOAD8(a), LOAD8(b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* The sums of a pair's panel v (0 or 1). */
+static inline v8 NAMED(half_of)(v16 sums, int v) {
+    return v ? __builtin_shufflevector(sums, sums, 8, 9, 10, 11, 12, 13, 14, 15)
+             : __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
+}
 
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
                                                                    int64_t K, int fetch, v8 c[TILE][2]) {
@@ -118,15 +129,15 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
             __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
             __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
         }
-        v16 w = __builtin_shufflevector(LOAD8(ka), LOAD8(kb), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        v16 w = NAMED(pair_at)(ka, kb);
         const float *xk = xt + k * TILE;
         s0 += w * xk[0]; s1 += w * xk[1]; s2 += w * xk[2]; s3 += w * xk[3];
         s4 += w * xk[4]; s5 += w * xk[5]; s6 += w * xk[6]; s7 += w * xk[7];
     }
     v16 s[TILE] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int i = 0; i < TILE; i++) {
-        c[i][0] = __builtin_shufflevector(s[i], s[i], 0, 1, 2, 3, 4, 5, 6, 7);
-        c[i][1] = __builtin_shufflevector(s[i], s[i], 8, 9, 10, 11, 12, 13, 14, 15);
+        c[i][0] = NAMED(half_of)(s[i], 0);
+        c[i][1] = NAMED(half_of)(s[i], 1);
     }
 }
 #else
@@ -192,8 +203,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
                 __builtin_prefetch(wa + k * PANEL + PANEL_AHEAD, 0, 2);
                 __builtin_prefetch(wb + k * PANEL + PANEL_AHEAD, 0, 2);
             }
-            v16 w = __builtin_shufflevector(LOAD8(wa + k * PANEL), LOAD8(wb + k * PANEL), 0, 1, 2, 3, 4, 5, 6, 7, 8,
-                                            9, 10, 11, 12, 13, 14, 15);
+            v16 w = NAMED(pair_at)(wa + k * PANEL, wb + k * PANEL);
             const float *xk = xt + k * B;
 #pragma GCC unroll 8
             for (int64_t b = 0; b < B; b++) c[b] += w * xk[b];
@@ -203,11 +213,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
             if (width <= 0) break;
             float bv[PANEL];
             NAMED(panel_bias)(bias, n0, width, bv);
-            for (int64_t b = 0; b < B; b++) {
-                v8 half = v ? __builtin_shufflevector(c[b], c[b], 8, 9, 10, 11, 12, 13, 14, 15)
-                            : __builtin_shufflevector(c[b], c[b], 0, 1, 2, 3, 4, 5, 6, 7);
-                NAMED(store_sums)(y + b * N + n0, half, bv, width);
-            }
+            for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, NAMED(half_of)(c[b], v), bv, width);
         }
     }
 }
