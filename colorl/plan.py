@@ -243,6 +243,7 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     on_cpu = device == "cpu"
     chosen = precision.choose(cfg, device)
     b = DTYPE_BYTES[chosen.compute] if chosen.compute else w
+    gathered_once = on_cpu and chosen.compute is not None  # colorl/train/fsdp.gathered_for_the_step
     lora = cfg.model.lora is not None
     trainable = arch.lora_params if lora else arch.params
     a = 4 if lora else w  # peft keeps adapters in float32 over a 16-bit base
@@ -293,8 +294,10 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
              + (" (null: this device's default)" if cfg.train.max_tokens_per_micro_batch is None else "")
              + f" (at least one {seq}-token sequence): {micro_tokens} packed tokens"
              + (", layers checkpointed" if cfg.train.activation_checkpointing else "")),
-        Line("unsharded layers", arch.layer_params * 2 * b + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
-             "FSDP2: current + prefetched layer, fp32 grad"),
+        Line("unsharded layers", (arch.params * b if gathered_once else arch.layer_params * 2 * b)
+             + (arch.lora_params // arch.layers if lora else arch.layer_params) * 4,
+             "FSDP2: every layer in the compute dtype, gathered once a step (CPU, mixed precision), fp32 grad"
+             if gathered_once else "FSDP2: current + prefetched layer, fp32 grad"),
         Line("engine weights", engine_weights, "tensor-parallel size 1"),
         Line("engine KV cache", kv, f"{kv_note}: {max(kv_tokens, 0):,} tokens"),
         Line("LoRA W0 copies", arch.adapted_params * e if lora else 0, "checkpoint engine, for merging"),

@@ -1,11 +1,19 @@
 """FSDP2 wrapping of a Hugging Face causal LM: one `fully_shard` per decoder block, then the root."""
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -61,3 +69,27 @@ def add_forward_method(model: torch.nn.Module, name: str, fn) -> None:
     """
     setattr(model, name, types.MethodType(fn, model))
     register_fsdp_forward_method(model, name)
+
+
+@contextlib.contextmanager
+def gathered_for_the_step(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Keep each block's gathered compute-dtype weights from its first forward to the step's last backward.
+
+    Under mixed precision every gather casts the float32 shards to the compute dtype; by default FSDP2
+    gathers each block twice per micro-batch (forward, and again for backward). The weights do not
+    change between a step's micro-batches, so one gather serves them all, for one compute-dtype copy
+    of the model held through the train phase. On a CPU with bf16 units those casts were 12-18 % of
+    the train phase (bench/README.md, "bf16 where the CPU has it"). The blocks are resharded at the
+    end, before the optimizer steps the shards, so no later forward sees stale weights.
+    """
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if enabled else []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_reshard_after_forward(module is not model, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.reshard()

@@ -14,7 +14,7 @@ from colorl.heap import HeapKeeper
 from colorl.kernels import TRAINING, use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention, shares_prompts
-from colorl.train.fsdp import add_forward_method, checkpoint_layers, make_mesh, shard_model
+from colorl.train.fsdp import add_forward_method, checkpoint_layers, gathered_for_the_step, make_mesh, shard_model
 from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.train.head import sampled_token_logprobs
 from colorl.train.lean_layers import use_lean_layers
@@ -73,9 +73,17 @@ class PolicyTrainer:
         if cfg.train.activation_checkpointing:
             checkpoint_layers(model)
         self.model = self._shard(model)
+        # on a CPU under mixed precision a step keeps one compute-dtype copy of the model gathered
+        # rather than casting every block twice per micro-batch
+        self.gather_once = (dist.is_initialized() and self.compute_dtype is not None
+                            and torch.device(device).type == "cpu")
         trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # on a CPU torch's default AdamW is a Python loop over the parameters; the fused kernel took 96 against
+        # 441 ms a step for SmolLM2-135M at two threads on an AMX Xeon (bench/optimizer.py), and the quickstart
+        # learns the same over seeds (bench/README.md, "bf16 where the CPU has it"). CUDA keeps torch's default.
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
+                                           betas=(0.9, 0.999), eps=1e-8,
+                                           fused=True if torch.device(device).type == "cpu" else None)
         self.temperature = cfg.rollout.temperature
         self.skipped_steps = 0  # optimizer steps not taken because the gradient was not finite
         self.reference = self._build_reference(model_dir, dtype) if cfg.loss.kl_coef > 0 else None
@@ -180,26 +188,28 @@ class PolicyTrainer:
         plan = plan_micro_batches(lengths, micro_batch_tokens(self.cfg.train, self.device), prompts)
         (count,) = _all_reduce([float(len(plan))], op=dist.ReduceOp.MAX)
         sums = StepSums(tokens=total_tokens)
-        for indices in split_to_count(plan, lengths, int(count)):
-            micro = pack(batch, indices, prompts=prompts)
-            logp, entropy = self.token_logprobs(self.model, micro)  # [K]
-            per_token, part_stats = grpo_token_loss(
-                logp, micro.behaviour_logp.to(self.device), micro.advantages.to(self.device), torch.ones_like(logp),
-                loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.tis_cap,
-            )
-            kl = kl_to_reference(logp, self.reference_logprobs(micro)) if self.reference is not None else None
-            if kl is not None:
-                per_token = per_token + loss_cfg.kl_coef * kl
-            loss = aggregate(per_token, micro.seq_ids.to(self.device), loss_cfg.aggregation, token_denom, seq_denom)
-            if micro.dummy:
-                (loss * 0.0).backward()  # same collectives as the other ranks, no gradient
-                continue
-            (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
-            sums.add(float(loss.detach()), part_stats, float(entropy.sum()),
-                     float(kl.detach().sum()) if kl is not None else 0.0)
-            del logp, entropy, per_token, loss, kl
-            if self.heap is not None:  # this micro-batch's activations are free here
-                self.heap.settle()
+        # one gather of the blocks serves every micro-batch (fsdp.gathered_for_the_step)
+        with gathered_for_the_step(self.model, self.gather_once):
+            for indices in split_to_count(plan, lengths, int(count)):
+                micro = pack(batch, indices, prompts=prompts)
+                logp, entropy = self.token_logprobs(self.model, micro)  # [K]
+                per_token, part_stats = grpo_token_loss(
+                    logp, micro.behaviour_logp.to(self.device), micro.advantages.to(self.device), torch.ones_like(logp),
+                    loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.tis_cap,
+                )
+                kl = kl_to_reference(logp, self.reference_logprobs(micro)) if self.reference is not None else None
+                if kl is not None:
+                    per_token = per_token + loss_cfg.kl_coef * kl
+                loss = aggregate(per_token, micro.seq_ids.to(self.device), loss_cfg.aggregation, token_denom, seq_denom)
+                if micro.dummy:
+                    (loss * 0.0).backward()  # same collectives as the other ranks, no gradient
+                    continue
+                (loss * world).backward()  # FSDP averages gradients over ranks; undo it for a global mean
+                sums.add(float(loss.detach()), part_stats, float(entropy.sum()),
+                         float(kl.detach().sum()) if kl is not None else 0.0)
+                del logp, entropy, per_token, loss, kl
+                if self.heap is not None:  # this micro-batch's activations are free here
+                    self.heap.settle()
         return sums
 
 
