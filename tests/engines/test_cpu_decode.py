@@ -81,6 +81,53 @@ def test_panels_equal_f_linear_at_any_row_count(compiled, rows, outputs, dtype):
             assert ((out.float() - exact).abs() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6).all()
 
 
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_bf16_panels_run_on_amx_wherever_the_cpu_and_the_build_have_it(compiled):
+    """A native build on a CPU with AMX must run its bf16 products over the panels on the tiles (a build that lost
+    them, or a refused tile state, would silently fall back to loops up to 3x slower there); elsewhere they are off."""
+    native = not os.environ.get("COLORL_CPU_DECODE_ARCH")
+    assert compiled.amx_built == (native and {"amx_tile", "amx_bf16"} <= cpu_flags())
+    if compiled.amx_built and not compiled.amx and os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0":
+        pytest.skip("this Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): the FMA loops run")
+    assert compiled.amx == (compiled.amx_built and os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0")
+
+
+@pytest.mark.parametrize("inputs", [83, 576])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 32, 33, 100, 256])
+def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compiled, rows, inputs):
+    """The tiles' product (cpu_decode.c, amx_panels_bf16) and the FMA loops' on the same panels: a few rows,
+    every row block of 16 (a partial last one), more blocks than the tiles hold at once (100, 256 rows), an odd number of
+    inputs (83: a k-pair and a tile padded with zeros), outputs not a whole number of panel pairs (200) or of
+    panels (203): each one rounding of float32 sums."""
+    if not compiled.amx:
+        pytest.skip("no AMX here (the CPU, the build or Linux): the FMA loops run, tested above")
+    gen = torch.Generator().manual_seed(rows)
+    try:
+        for outputs in (200, 203):
+            x, weight, bias = (t.bfloat16() for t in (torch.randn(rows, inputs, generator=gen),
+                                                      torch.randn(outputs, inputs, generator=gen),
+                                                      torch.randn(outputs, generator=gen)))
+            panels = compiled.pack_panels(weight)
+            for on in (True, False):
+                assert compiled.use_amx(on) == on
+                for b in (bias, None):
+                    out = compiled.panel_linear(x, panels, outputs, b)
+                    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                    # one bf16 rounding (x2 margin), and float32 sums in another order: K u sum |x w|
+                    order = inputs * 2.0 ** -24 * (x.float().abs() @ weight.float().abs().T)
+                    assert out.dtype == torch.bfloat16
+                    assert ((out.float() - exact).abs() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + order).all()
+    finally:
+        compiled.use_amx(True)
+
+
 def test_panels_of_another_matrix_are_refused(compiled):
     with pytest.raises(ValueError, match="panels"):
         compiled.panel_linear(torch.randn(12, 8), compiled.pack_panels(torch.randn(30, 8)), 60, None)

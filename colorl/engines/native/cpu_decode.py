@@ -146,6 +146,17 @@ class CpuDecode:
                 function.argtypes, function.restype = args, result
         self._sample_plain = library.colorl_sample_plain  # float32 logits only
         self._sample_plain.argtypes, self._sample_plain.restype = [_p, _i64, _i64, _p, _p, _p, _int], _int
+        self._use_amx = library.colorl_use_amx
+        self._use_amx.argtypes, self._use_amx.restype = [_int], _int
+        self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
+        self.amx = self.use_amx(os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0")
+
+    def use_amx(self, on: bool) -> bool:
+        """Run the bf16 products over the panels (`panel_linear`, a decode step's products on the panels) on AMX
+        tiles (cpu_decode.c) from now on, where the build has them (a CPU with AMX) and Linux grants the tile
+        state; returns whether they do. COLORL_CPU_DECODE_AMX=0 starts with them off."""
+        self.amx = bool(self._use_amx(int(on)))
+        return self.amx
 
     def rows_won(self, dtype: torch.dtype) -> frozenset[int]:
         """Row counts at which the loops' products (`linear` up to MAX_ROWS rows, `panel_linear` above)
@@ -177,7 +188,8 @@ class CpuDecode:
         return rows > MAX_ROWS or rows in self.panel_rows(dtype)
 
     def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
-        return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
+        on_amx = " on AMX" if self.amx and dtype == torch.bfloat16 else ""  # the loops' panels are another race there
+        return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}") + on_amx
 
     @functools.cache
     def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:

@@ -3,7 +3,8 @@
  * ELEM is the type in memory, LOAD8/LOAD1 widen from it, STORE8/STORE1 round to it, and ROUND8/
  * ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
  * identity in float32); STAGE_KV: attention widens its keys and values first. Defined by the
- * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV. */
+ * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV, AMX_PANELS (the products over
+ * the panels run on AMX tiles where granted: bf16 on a CPU with AMX). */
 #define LOOP_NAME_(name, suffix) name##suffix
 #define LOOP_NAME(name, suffix) LOOP_NAME_(name, suffix)
 #define NAMED(name) LOOP_NAME(name, SUFFIX)
@@ -276,6 +277,9 @@ static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias
 int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                          int64_t K, int threads) {
     if (B < 1) return COLORL_BAD_ROWS;
+#if AMX_PANELS
+    if (amx_on) return amx_panels_bf16(x, panels, bias, y, B, N, K, threads); /* cpu_decode.c */
+#endif
     if (B <= 8) return NAMED(panels_few)(x, panels, bias, y, B, N, K, threads);
     int64_t tiles = (B + TILE - 1) / TILE, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
     float *xp = malloc(sizeof(float) * tiles * TILE * K);

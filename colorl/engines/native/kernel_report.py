@@ -4,6 +4,8 @@ loops are used, and each per-machine verdict (forced, raced, or raced on a busy 
 kernels it ran with."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -38,11 +40,18 @@ def _rows_text(rows: frozenset[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a + 1 else (f"{a},{b}" if b > a else str(a)) for a, b in runs) + above
 
 
+def _amx_text(library) -> str:
+    if library.amx:
+        return ", bf16 panels on AMX tiles"
+    if library.amx_built:  # a CPU with AMX whose tiles are off: say why the FMA loops run
+        off = os.environ.get("COLORL_CPU_DECODE_AMX", "1") == "0"
+        return ", bf16 panels on the FMA loops (" + ("COLORL_CPU_DECODE_AMX=0" if off else "Linux refused the AMX tile state") + ")"
+    return ""
+
+
 def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     """One line for the CPU, one for the loops' build, one per thread count and dtype. Races what is not
     decided yet (as the first run here would)."""
-    import os
-
     from colorl import kernels, precision
     from colorl.engines.native import cpu_decode
     from colorl.machine import cpu_summary
@@ -55,8 +64,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     lines.append(f"oneDNN runs: {', '.join(runs) or 'nothing (off, not x86, or not in this torch)'}"
                  + (f" ({caps})" if caps else ""))
     library = cpu_decode.load()
-    lines.append(f"decode loops: built {library.build}" if library is not None
-                 else f"decode loops: not used ({cpu_decode.why_not()})")
+    lines.append(f"decode loops: built {library.build}" + _amx_text(library)
+                 if library is not None else f"decode loops: not used ({cpu_decode.why_not()})")
     threads_now = torch.get_num_threads()
     forced_onednn = "COLORL_ONEDNN=" + os.environ["COLORL_ONEDNN"] if kernels.forced_onednn() is not None else None
     forced_rows = ("COLORL_CPU_DECODE_ROWS=" + os.environ["COLORL_CPU_DECODE_ROWS"]
