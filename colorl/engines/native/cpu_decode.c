@@ -569,9 +569,10 @@ typedef struct {
  * On CPUs with AMX (Sapphire Rapids and later Xeons) a bf16 product over the panels runs on the tile
  * unit, at any row count: one TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 outputs of w and
  * adds the float32 sums into a 16 x 16 tile. The FMA loops widen every bf16 weight and take one k per
- * instruction: on an AMX Xeon they read [1536, 576] matrices at 1.6x the memory floor at 8 rows and
- * 5x at 32 on one core, where the tiles take 1.2x and 1.5x, and oneDNN's AMX product (torch's bf16
- * F.linear, which lays the weights out again on every call) 2.0x and 2.3x (bench/README.md, "AMX tiles").
+ * instruction: on an AMX Xeon they read [1536, 576] matrices at 1.6-1.9x the memory floor at 8 rows and
+ * 5-5.7x at 32 on one core, where the tiles take 1.2-1.5x and 1.5-1.7x, and oneDNN's AMX product (torch's
+ * bf16 F.linear, which lays the weights out again on every call) 2.0-2.3x and 2.3-2.9x (bench/README.md,
+ * "AMX tiles", bench/amx_products.py).
  * Whether a few rows run here or on the rows kernel is the race's (cpu_decode.py), as on any CPU.
  *
  * The weights stay in the panels every other bf16 product reads (no copy of their own): each thread
