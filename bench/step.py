@@ -148,9 +148,9 @@ class RolloutProfile:
             self.physical_s += 2 * self.params * prefill / self.rate
             return out
 
-        def timed_sample(logits, rows):
+        def timed_sample(*args, **kwargs):  # whatever the engine's sampler takes
             started = time.perf_counter()
-            out = sample(logits, rows)
+            out = sample(*args, **kwargs)
             self.sample_s += time.perf_counter() - started
             return out
 
