@@ -243,7 +243,9 @@ def plan_memory(cfg, arch: Architecture, device_bytes: int, prompt_tokens: int) 
     on_cpu = device == "cpu"
     chosen = precision.choose(cfg, device)
     b = DTYPE_BYTES[chosen.compute] if chosen.compute else w
-    gathered_once = on_cpu and chosen.compute is not None  # colorl/train/fsdp.gathered_for_the_step
+    from colorl.train.fsdp import gathers_once
+
+    gathered_once = gathers_once(device, chosen.compute)
     lora = cfg.model.lora is not None
     trainable = arch.lora_params if lora else arch.params
     a = 4 if lora else w  # peft keeps adapters in float32 over a 16-bit base

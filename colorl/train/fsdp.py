@@ -71,6 +71,12 @@ def add_forward_method(model: torch.nn.Module, name: str, fn) -> None:
     register_fsdp_forward_method(model, name)
 
 
+def gathers_once(device: str, compute_dtype: torch.dtype | None) -> bool:
+    """A step keeps its blocks gathered (`gathered_for_the_step`): on a CPU under mixed precision, where
+    the casts cost more than the one compute-dtype copy of the model it holds (`colorl plan` counts it)."""
+    return torch.device(device).type == "cpu" and compute_dtype is not None
+
+
 @contextlib.contextmanager
 def gathered_for_the_step(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Keep each block's gathered compute-dtype weights from its first forward to the step's last backward.

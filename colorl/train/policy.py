@@ -14,7 +14,14 @@ from colorl.heap import HeapKeeper
 from colorl.kernels import TRAINING, use_onednn_linears
 from colorl.models import load_model
 from colorl.train.attention import packed_attention, shares_prompts
-from colorl.train.fsdp import add_forward_method, checkpoint_layers, gathered_for_the_step, make_mesh, shard_model
+from colorl.train.fsdp import (
+    add_forward_method,
+    checkpoint_layers,
+    gathered_for_the_step,
+    gathers_once,
+    make_mesh,
+    shard_model,
+)
 from colorl.train.grpo import LossStats, aggregate, grpo_token_loss, kl_to_reference
 from colorl.train.head import sampled_token_logprobs
 from colorl.train.lean_layers import use_lean_layers
@@ -73,10 +80,7 @@ class PolicyTrainer:
         if cfg.train.activation_checkpointing:
             checkpoint_layers(model)
         self.model = self._shard(model)
-        # on a CPU under mixed precision a step keeps one compute-dtype copy of the model gathered
-        # rather than casting every block twice per micro-batch
-        self.gather_once = (dist.is_initialized() and self.compute_dtype is not None
-                            and torch.device(device).type == "cpu")
+        self.gather_once = dist.is_initialized() and gathers_once(device, self.compute_dtype)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         # on a CPU torch's default AdamW is a Python loop over the parameters; the fused kernel took 96 against
         # 441 ms a step for SmolLM2-135M at two threads on an AMX Xeon (bench/optimizer.py), and the quickstart

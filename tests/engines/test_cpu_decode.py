@@ -18,6 +18,7 @@ from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
 from colorl.engines.native.model import AttentionGroup, _rotate, paged_attention
 from colorl.kernels import onednn_chosen
+from colorl.machine import cpu_identity
 from colorl.threads import pinned
 
 # where the loops must build: Linux on x86 with GCC (CI's machines); elsewhere a missing build skips, with its reason
@@ -81,22 +82,14 @@ def test_panels_equal_f_linear_at_any_row_count(compiled, rows, outputs, dtype):
             assert ((out.float() - exact).abs() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6).all()
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def test_bf16_panels_run_on_amx_wherever_the_cpu_and_the_build_have_it(compiled):
     """A native build on a CPU with AMX must run its bf16 products over the panels on the tiles (a build that lost
     them, or a refused tile state, would silently fall back to loops up to 3x slower there); elsewhere they are off."""
     native = not os.environ.get("COLORL_CPU_DECODE_ARCH")
-    assert compiled.amx_built == (native and {"amx_tile", "amx_bf16"} <= cpu_flags())
-    if compiled.amx_built and not compiled.amx and os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0":
+    assert compiled.amx_built == (native and {"amx_tile", "amx_bf16"} <= cpu_identity().flags)
+    if compiled.amx_built and not compiled.amx and cpu_decode.amx_wanted():
         pytest.skip("this Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): the FMA loops run")
-    assert compiled.amx == (compiled.amx_built and os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0")
+    assert compiled.amx == (compiled.amx_built and cpu_decode.amx_wanted())
 
 
 @pytest.mark.parametrize("inputs", [83, 576])

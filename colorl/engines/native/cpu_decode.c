@@ -593,7 +593,28 @@ typedef struct {
 #define AMX_BLOCKS 6 /* row blocks of 16 held in tiles 0-5; tile 6 takes x, tile 7 the weights */
 
 static int amx_on = 0; /* until colorl_use_amx(1) is granted */
+static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
+                           int64_t N, int64_t K, int threads); /* after the bf16 loops, whose bias and store it shares */
+#else
+#define HAVE_AMX 0
+int colorl_use_amx(int on) { (void)on; return 0; } /* built without AMX: never */
+#endif
+int colorl_amx_built(void) { return HAVE_AMX; }
 
+#define ELEM uint16_t
+#define SUFFIX _bf16
+#define LOAD8 bf16_load8
+#define STORE8 bf16_store8
+#define LOAD1(p) bf16_to_float(*(p))
+#define STORE1 bf16_store1
+#define ROUND8 bf16_round8
+#define ROUND1 bf16_round1
+#define STAGE_KV 1
+#define AMX_PANELS HAVE_AMX
+#include "cpu_decode_loops.h"
+
+/* ---------------------------------------------------------------- bf16 panels on AMX tiles, the loops (above: why) */
+#if HAVE_AMX
 int colorl_use_amx(int on) { /* 1 when the bf16 products over the panels run on AMX from now on */
     amx_on = on && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return amx_on;
@@ -690,9 +711,13 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
             for (int64_t q = q0; q < q1; q++) {
                 uint16_t *now = tiles + ((q - q0) & 1) * K32 * 512, *next = tiles + ((q - q0 + 1) & 1) * K32 * 512;
                 const uint16_t *na = q + 1 < q1 ? panels + 2 * (q + 1) * K * PANEL : NULL, *nb = na ? na + K * PANEL : NULL;
-                int64_t n0 = 2 * q * PANEL, width = N - n0 < 16 ? N - n0 : 16;
-                float bv[16];
-                for (int64_t j = 0; j < 16; j++) bv[j] = bias && j < width ? bf16_to_float(bias[n0 + j]) : 0.0f;
+                int64_t n0 = 2 * q * PANEL, widths[2];
+                float bv[2][PANEL];
+                for (int v = 0; v < 2; v++) {
+                    int64_t left = N - n0 - v * PANEL;
+                    widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
+                    panel_bias_bf16(bias, n0 + v * PANEL, widths[v], bv[v]);
+                }
                 for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
                     int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
@@ -707,13 +732,8 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
                             int64_t b = (first + t) * 16 + r;
                             if (b >= B) break;
                             const float *s = sums + t * 256 + r * 16;
-                            uint16_t *row = y + b * N + n0;
-                            if (width == 16) {
-                                bf16_store8(row, load8(s) + load8(bv));
-                                bf16_store8(row + 8, load8(s + 8) + load8(bv + 8));
-                            } else {
-                                for (int64_t j = 0; j < width; j++) row[j] = float_to_bf16(s[j] + bv[j]);
-                            }
+                            for (int v = 0; v < 2; v++)
+                                if (widths[v]) store_sums_bf16(y + b * N + n0 + v * PANEL, load8(s + v * PANEL), bv[v], widths[v]);
                         }
                 }
             }
@@ -725,20 +745,4 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
     free(xa);
     return failed ? COLORL_NO_MEMORY : 0;
 }
-#else
-#define HAVE_AMX 0
-int colorl_use_amx(int on) { (void)on; return 0; } /* built without AMX: never */
 #endif
-int colorl_amx_built(void) { return HAVE_AMX; }
-
-#define ELEM uint16_t
-#define SUFFIX _bf16
-#define LOAD8 bf16_load8
-#define STORE8 bf16_store8
-#define LOAD1(p) bf16_to_float(*(p))
-#define STORE1 bf16_store1
-#define ROUND8 bf16_round8
-#define ROUND1 bf16_round1
-#define STAGE_KV 1
-#define AMX_PANELS HAVE_AMX
-#include "cpu_decode_loops.h"

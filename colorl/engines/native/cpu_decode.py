@@ -149,7 +149,7 @@ class CpuDecode:
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
-        self.amx = self.use_amx(os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0")
+        self.amx = self.use_amx(amx_wanted())
 
     def use_amx(self, on: bool) -> bool:
         """Run the bf16 products over the panels (`panel_linear`, a decode step's products on the panels) on AMX
@@ -375,6 +375,11 @@ def _forced_counts(name: str, every: frozenset[int], hint: str) -> frozenset[int
     if not rows <= every:
         raise ValueError(f"{name}={value!r}: give all, none or row counts {hint}")
     return rows
+
+
+def amx_wanted() -> bool:
+    """The bf16 panels may run on AMX tiles: COLORL_CPU_DECODE_AMX=0 keeps the FMA loops."""
+    return os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0"
 
 
 def forced_rows() -> frozenset[int] | None:

@@ -44,8 +44,10 @@ def _amx_text(library) -> str:
     if library.amx:
         return ", bf16 panels on AMX tiles"
     if library.amx_built:  # a CPU with AMX whose tiles are off: say why the FMA loops run
-        off = os.environ.get("COLORL_CPU_DECODE_AMX", "1") == "0"
-        return ", bf16 panels on the FMA loops (" + ("COLORL_CPU_DECODE_AMX=0" if off else "Linux refused the AMX tile state") + ")"
+        from colorl.engines.native.cpu_decode import amx_wanted
+
+        why = "Linux refused the AMX tile state" if amx_wanted() else "COLORL_CPU_DECODE_AMX=0"
+        return f", bf16 panels on the FMA loops ({why})"
     return ""
 
 
