@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-HEADER = SOURCE.with_name("cpu_decode_loops.h")  # included by SOURCE
+HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_decode_loops.h", "cpu_decode_kpairs.h"))  # included by SOURCE
 COMPILE_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-std=gnu11")
 ARCHES = ("x86_64", "amd64", "aarch64", "arm64")
 OPENMP_NAMES = ("libgomp", "libiomp5", "libomp")
@@ -158,7 +158,7 @@ class Builder:
             raise LoopsUnavailable(f"the C compiler {self.command[0]} does not run ({exc})") from None
         self.runtime = openmp_runtime()
         self.compile_flags = (f"-march={march()}", *COMPILE_FLAGS, *_openmp_compile_flags(self.version))
-        self.build = _digest([SOURCE.read_text(), HEADER.read_text(), " ".join(self.compile_flags),
+        self.build = _digest([SOURCE.read_text(), *(header.read_text() for header in HEADERS), " ".join(self.compile_flags),
                               " ".join(self.command), self.version, machine_key(), str(self.runtime)])
         self.library = self.folder / f"{self.build}.so"
         self.manifest = self.folder / f"{self.build}.json"

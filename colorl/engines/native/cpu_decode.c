@@ -553,6 +553,7 @@ typedef struct {
 #define ROUND1 same1
 #define STAGE_KV 0
 #define AMX_PANELS 0
+#define KPAIR_PANELS 0
 #include "cpu_decode_loops.h"
 #undef ELEM
 #undef SUFFIX
@@ -564,37 +565,27 @@ typedef struct {
 #undef ROUND1
 #undef STAGE_KV
 #undef AMX_PANELS
+#undef KPAIR_PANELS
 
-/* ---------------------------------------------------------------- bf16 panels on AMX tiles
- * On CPUs with AMX (Sapphire Rapids and later Xeons) a bf16 product over the panels runs on the tile
- * unit, at any row count: one TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 outputs of w and
- * adds the float32 sums into a 16 x 16 tile. The FMA loops widen every bf16 weight and take one k per
- * instruction: on an AMX Xeon they read [1536, 576] matrices at 1.6-1.9x the memory floor at 8 rows and
- * 5-5.7x at 32 on one core, where the tiles take 1.2-1.5x and 1.5-1.7x, and oneDNN's AMX product (torch's
- * bf16 F.linear, which lays the weights out again on every call) 2.0-2.3x and 2.3-2.9x (bench/README.md,
- * "AMX tiles", bench/amx_products.py).
- * Whether a few rows run here or on the rows kernel is the race's (cpu_decode.py), as on any CPU.
- *
- * The weights stay in the panels every other bf16 product reads (no copy of their own): each thread
- * lays one pair of panels (16 outputs) out in the pairs of k the tile unit takes ([K/32] tiles of 16
- * k-pairs x 16 outputs x 2, in L1/L2) while the tiles work on the pair before, then runs every 16-row
- * block of x (laid out once per call, [B/16, K/32, 16, 32], zero-padded) against it: per k-block one
- * weight tile, then one x tile and one TDPBF16PS per row block into AMX_BLOCKS sums tiles.
- *
- * Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process);
- * refused, or turned off (colorl_use_amx(0), COLORL_CPU_DECODE_AMX=0 in cpu_decode.py), the FMA
- * loops run. The sums are float32, rounded to bf16 once, as everywhere else: only their order differs. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+/* ---------------------------------------------------------------- bf16 panels in k-pairs (cpu_decode_kpairs.h)
+ * Where the CPU multiplies bf16 in pairs of k (AVX512-BF16), the bf16 panels hold k in pairs and their
+ * products run on VDPBF16PS, or on AMX tiles where the CPU has them and Linux grants the tile state. */
+#define HAVE_KPAIRS HAVE_DPBF16
+#if HAVE_KPAIRS
+static void kpairs_pack_bf16(const uint16_t *w, uint16_t *panels, int64_t N, int64_t K, int threads);
+static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
+                           int64_t N, int64_t K, int threads); /* after the bf16 loops, whose bias and store they share */
+#endif
+#if HAVE_KPAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_BLOCKS 6 /* row blocks of 16 held in tiles 0-5; tile 6 takes x, tile 7 the weights */
 
 static int amx_on = 0; /* until colorl_use_amx(1) is granted */
 static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
-                           int64_t N, int64_t K, int threads); /* after the bf16 loops, whose bias and store it shares */
+                           int64_t N, int64_t K, int threads);
 #else
 #define HAVE_AMX 0
 int colorl_use_amx(int on) { (void)on; return 0; } /* built without AMX: never */
@@ -611,138 +602,9 @@ int colorl_amx_built(void) { return HAVE_AMX; }
 #define ROUND1 bf16_round1
 #define STAGE_KV 1
 #define AMX_PANELS HAVE_AMX
+#define KPAIR_PANELS HAVE_KPAIRS
 #include "cpu_decode_loops.h"
 
-/* ---------------------------------------------------------------- bf16 panels on AMX tiles, the loops (above: why) */
-#if HAVE_AMX
-int colorl_use_amx(int on) { /* 1 when the bf16 products over the panels run on AMX from now on */
-    amx_on = on && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return amx_on;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config_t;
-
-static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes, for this thread */
-    amx_config_t config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
-
-typedef uint16_t vh32 __attribute__((vector_size(64)));
-
-/* Weight tile kb of the pair of panels at wa, wb (k-major runs of 8 outputs): row r holds k = 32 kb + 2r
- * and 2r + 1 for outputs 0-15, each output's two k side by side; past K, zeros. Four k at a time: one
- * 64-byte load of each panel and one two-source shuffle (vpermt2w) per tile row. */
-static inline void amx_stage_tile(const uint16_t *wa, const uint16_t *wb, uint16_t *tile, int64_t K, int64_t kb) {
-    int64_t k = kb * 32, end = k + 32 < K ? k + 32 : K;
-    uint16_t *row = tile; /* row (k % 32) / 2 */
-    for (; k + 4 <= end; k += 4, row += 64) {
-        __builtin_prefetch(wa + k * PANEL + PANEL_AHEAD, 0, 2);
-        __builtin_prefetch(wb + k * PANEL + PANEL_AHEAD, 0, 2);
-        vh32 a, b; /* k..k+3's 8 weights of each panel, one k after the other */
-        memcpy(&a, wa + k * PANEL, sizeof a);
-        memcpy(&b, wb + k * PANEL, sizeof b);
-        vh32 even = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                            32, 40, 33, 41, 34, 42, 35, 43, 36, 44, 37, 45, 38, 46, 39, 47);
-        vh32 odd = __builtin_shufflevector(a, b, 16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31,
-                                           48, 56, 49, 57, 50, 58, 51, 59, 52, 60, 53, 61, 54, 62, 55, 63);
-        memcpy(row, &even, sizeof even);
-        memcpy(row + 32, &odd, sizeof odd);
-    }
-    for (; k < kb * 32 + 32; k += 2, row += 32) { /* K's last k (fewer than four), then zeros */
-        memset(row, 0, 64);
-        for (int e = 0; e < 2 && k + e < end; e++)
-            for (int j = 0; j < PANEL; j++) {
-                row[2 * j + e] = wa[(k + e) * PANEL + j];
-                row[16 + 2 * j + e] = wb[(k + e) * PANEL + j];
-            }
-    }
-}
-
-#define AMX_DOT(t)                                                                                 \
-    if (blocks > t) {                                                                              \
-        _tile_loadd(6, xa + ((first + t) * K32 + kb) * 512, 64);                                   \
-        _tile_dpbf16ps(t, 6, 7);                                                                   \
-    }
-#define AMX_STORE(t)                                                                               \
-    if (blocks > t) _tile_stored(t, sums + t * 256, 64);
-
-/* y [B, N] = x [B, K] . w^T (+ bias) in bf16 over w's panels (colorl_pack_panels_bf16), on AMX. */
-static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
-                           int64_t N, int64_t K, int threads) {
-    int64_t K32 = (K + 31) / 32, RB = (B + 15) / 16, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
-    uint16_t *xa = aligned_alloc(64, (size_t)RB * K32 * 512 * sizeof(uint16_t));
-    if (!xa) return COLORL_NO_MEMORY;
-    for (int64_t rb = 0; rb < RB; rb++)
-        for (int64_t kb = 0; kb < K32; kb++)
-            for (int64_t r = 0; r < 16; r++) {
-                uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
-                int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
-                if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
-                if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
-            }
-    int failed = 0, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        uint16_t *tiles = aligned_alloc(64, (size_t)2 * K32 * 512 * sizeof(uint16_t));
-        float *sums = aligned_alloc(64, AMX_BLOCKS * 256 * sizeof(float));
-        if (!tiles || !sums) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_configure();
-            int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
-            int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
-            /* pair q's tiles in one half of `tiles` while the next pair's are staged, a tile per k-block, into
-             * the other: the panels' stream runs beside the tile unit's work instead of between it */
-            for (int64_t kb = 0; q0 < q1 && kb < K32; kb++) {
-                const uint16_t *wa = panels + 2 * q0 * K * PANEL;
-                amx_stage_tile(wa, wa + K * PANEL, tiles + kb * 512, K, kb);
-            }
-            for (int64_t q = q0; q < q1; q++) {
-                uint16_t *now = tiles + ((q - q0) & 1) * K32 * 512, *next = tiles + ((q - q0 + 1) & 1) * K32 * 512;
-                const uint16_t *na = q + 1 < q1 ? panels + 2 * (q + 1) * K * PANEL : NULL, *nb = na ? na + K * PANEL : NULL;
-                int64_t n0 = 2 * q * PANEL, widths[2];
-                float bv[2][PANEL];
-                for (int v = 0; v < 2; v++) {
-                    int64_t left = N - n0 - v * PANEL;
-                    widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
-                    panel_bias_bf16(bias, n0 + v * PANEL, widths[v], bv[v]);
-                }
-                for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
-                    int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-                    for (int64_t kb = 0; kb < K32; kb++) {
-                        if (na && first == 0) amx_stage_tile(na, nb, next + kb * 512, K, kb);
-                        _tile_loadd(7, now + kb * 512, 64);
-                        AMX_DOT(0) AMX_DOT(1) AMX_DOT(2) AMX_DOT(3) AMX_DOT(4) AMX_DOT(5)
-                    }
-                    AMX_STORE(0) AMX_STORE(1) AMX_STORE(2) AMX_STORE(3) AMX_STORE(4) AMX_STORE(5)
-                    for (int64_t t = 0; t < blocks; t++)
-                        for (int64_t r = 0; r < 16; r++) {
-                            int64_t b = (first + t) * 16 + r;
-                            if (b >= B) break;
-                            const float *s = sums + t * 256 + r * 16;
-                            for (int v = 0; v < 2; v++)
-                                if (widths[v]) store_sums_bf16(y + b * N + n0 + v * PANEL, load8(s + v * PANEL), bv[v], widths[v]);
-                        }
-                }
-            }
-            _tile_release();
-        }
-        free(tiles);
-        free(sums);
-    }
-    free(xa);
-    return failed ? COLORL_NO_MEMORY : 0;
-}
+#if HAVE_KPAIRS
+#include "cpu_decode_kpairs.h"
 #endif

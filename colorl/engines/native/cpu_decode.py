@@ -65,8 +65,9 @@ def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, tor
 
 
 def panel_elements(n_out: int, n_in: int) -> int:
-    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole pairs of panels, times n_in."""
-    return -(-n_out // (2 * PANEL)) * 2 * PANEL * n_in
+    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole pairs of panels, times n_in rounded
+    up to whole pairs of k (the bf16 panels of a CPU with AVX512-BF16 hold k in pairs: cpu_decode_kpairs.h)."""
+    return -(-n_out // (2 * PANEL)) * 2 * PANEL * (n_in + n_in % 2)
 
 
 class DecodeStep(ctypes.Structure):

@@ -3,8 +3,9 @@
  * ELEM is the type in memory, LOAD8/LOAD1 widen from it, STORE8/STORE1 round to it, and ROUND8/
  * ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
  * identity in float32); STAGE_KV: attention widens its keys and values first. Defined by the
- * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV, AMX_PANELS (the products over
- * the panels run on AMX tiles where granted: bf16 on a CPU with AMX). */
+ * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV, KPAIR_PANELS (the panels hold k
+ * in pairs, packed and multiplied by cpu_decode_kpairs.h: bf16 on a CPU with AVX512-BF16), AMX_PANELS (those
+ * products run on AMX tiles where granted: bf16 on a CPU with AMX). */
 #define LOOP_NAME_(name, suffix) name##suffix
 #define LOOP_NAME(name, suffix) LOOP_NAME_(name, suffix)
 #define NAMED(name) LOOP_NAME(name, SUFFIX)
@@ -90,6 +91,10 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
 #define PANEL_AHEAD 2048
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
+#if KPAIR_PANELS
+    kpairs_pack_bf16(w, panels, N, K, threads); /* cpu_decode_kpairs.h */
+    return;
+#endif
     int64_t count = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && count > 1)
     for (int64_t p = 0; p < count; p++)
@@ -278,7 +283,10 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
                          int64_t K, int threads) {
     if (B < 1) return COLORL_BAD_ROWS;
 #if AMX_PANELS
-    if (amx_on) return amx_panels_bf16(x, panels, bias, y, B, N, K, threads); /* cpu_decode.c */
+    if (amx_on) return amx_panels_bf16(x, panels, bias, y, B, N, K, threads); /* cpu_decode_kpairs.h */
+#endif
+#if KPAIR_PANELS
+    return kpairs_fma_bf16(x, panels, bias, y, B, N, K, threads);
 #endif
     if (B <= 8) return NAMED(panels_few)(x, panels, bias, y, B, N, K, threads);
     int64_t tiles = (B + TILE - 1) / TILE, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);

@@ -1,0 +1,237 @@
+/* bf16 products over panels held in pairs of k, on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later
+ * Xeons): cpu_decode.c includes this after the bf16 loops (cpu_decode_loops.h), whose pack and product
+ * call these instead of their own where KPAIR_PANELS is set.
+ *
+ * Why another layout. Both instructions that multiply bf16 on these CPUs take k in pairs: VDPBF16PS
+ * adds x[2j] w[2j] + x[2j+1] w[2j+1] into a float32 lane, and AMX's TDPBF16PS takes its weight tile as
+ * 16 rows of k-pairs x 16 outputs. The k-major panels (one k per row) made the FMA loops widen every
+ * weight to float32 and take one k per instruction, and made the tiles re-lay each pair of panels per
+ * call: staging alone took 1.29x the memory floor on the AMX Xeon, where the tiles themselves took 0.51x
+ * (bench/README.md, "AMX tiles"). Packed once per weight version in the instructions' own order, a pair
+ * of panels (16 outputs) is [K2 = ceil(K / 2)][16][2]: k-pair j of output o at (j * 16 + o) * 2, zero
+ * past N and K. Both loops then read it as one sequential stream:
+ * - the FMA loops: per k-pair one 64-byte weight load and one VDPBF16PS per row of x (its k-pair
+ *   broadcast), TILE = 8 rows of sums at a time, as the k-major loops hold them;
+ * - the tiles: each 16 k-pairs of a pair of panels is one weight tile, loaded straight from the panels
+ *   (16 rows of 64 bytes, 1 KB in a row); only a K that is not a multiple of 32 copies its last, partial
+ *   tile into zeros. Per weight tile one x tile and one TDPBF16PS per 16 rows of x.
+ *
+ * Both round float32 sums to bf16 once, as every other product does; both flush bf16 subnormals to
+ * zero (as the instructions do), which the products' tests allow for. */
+
+#define KPAIR_TILE 8 /* rows of x whose sums the FMA loop holds at once (eight 16-wide registers) */
+
+static inline int64_t kpairs_pair_size(int64_t K) { return 32 * ((K + 1) / 2); } /* elements of a pair of panels */
+
+static void kpairs_pack_bf16(const uint16_t *w, uint16_t *panels, int64_t N, int64_t K, int threads) {
+    int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && pairs > 1)
+    for (int64_t q = 0; q < pairs; q++) {
+        uint16_t *pair = panels + q * kpairs_pair_size(K);
+        for (int64_t j = 0; j < K2; j++)
+            for (int64_t o = 0; o < 2 * PANEL; o++)
+                for (int64_t e = 0; e < 2; e++) {
+                    int64_t n = q * 2 * PANEL + o, k = 2 * j + e;
+                    pair[(j * 2 * PANEL + o) * 2 + e] = n < N && k < K ? w[n * K + k] : 0;
+                }
+    }
+}
+
+/* x's rows b0.. (`rows` of them, zeros past B) as k-pairs, k-pair-major: [K2][rows] 32-bit words. */
+static void kpairs_of_x(const uint16_t *x, uint32_t *xp, int64_t B, int64_t K, int64_t b0, int64_t rows) {
+    int64_t K2 = (K + 1) / 2;
+    for (int64_t j = 0; j < K2; j++)
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t b = b0 + i;
+            uint32_t lo = b < B ? x[b * K + 2 * j] : 0, hi = b < B && 2 * j + 1 < K ? x[b * K + 2 * j + 1] : 0;
+            xp[j * rows + i] = lo | hi << 16;
+        }
+}
+
+/* One pair of panels (wp) against R <= KPAIR_TILE rows of x's k-pairs (xt [K2][R]): the pair's 16 sums per
+ * row, in c. R is a constant where it is inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void kpairs_sums(const uint32_t *xt, const uint16_t *wp, int64_t K2,
+                                                              int64_t R, int fetch, __m512 c[KPAIR_TILE]) {
+    for (int64_t i = 0; i < R; i++) c[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K2; j++) {
+        if (fetch) __builtin_prefetch(wp + j * 32 + PANEL_AHEAD, 0, 2); /* one line per k-pair, 4 KB ahead */
+        __m512bh w = (__m512bh)_mm512_loadu_si512(wp + j * 32);
+        const uint32_t *xj = xt + j * R;
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < R; i++) c[i] = _mm512_dpbf16_ps(c[i], w, (__m512bh)_mm512_set1_epi32((int)xj[i]));
+    }
+}
+
+/* The sums of rows b0.. (R of them, those below B) for the pair of panels at outputs n0.., plus the bias, into y. */
+static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int64_t N, int64_t b0, int64_t n0,
+                         const int64_t widths[2], float bv[2][PANEL]) {
+    for (int64_t i = 0; i < R && b0 + i < B; i++)
+        for (int v = 0; v < 2; v++)
+            if (widths[v]) store_sums_bf16(y + (b0 + i) * N + n0 + v * PANEL, half_of_bf16((v16)c[i], v), bv[v], widths[v]);
+}
+
+/* The pair of panels at outputs n0..: each panel's width (0 for padding) and bias. */
+static void kpairs_bias(const uint16_t *bias, int64_t N, int64_t n0, int64_t widths[2], float bv[2][PANEL]) {
+    for (int v = 0; v < 2; v++) {
+        int64_t left = N - n0 - v * PANEL;
+        widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
+        panel_bias_bf16(bias, n0 + v * PANEL, widths[v], bv[v]);
+    }
+}
+
+#define KPAIRS_TILE_CASE(R)                                                                        \
+    case R:                                                                                        \
+        kpairs_sums(xt, wp, K2, R, t == 0, c);                                                     \
+        break;
+
+/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units: each thread one contiguous
+ * run of pairs of panels, streamed once (the first tile of rows asks for them ahead; the others re-read
+ * the pair, 18 KB at K = 576, from L1/L2). */
+static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
+                           int64_t N, int64_t K, int threads) {
+    int64_t K2 = (K + 1) / 2, R = B < KPAIR_TILE ? B : KPAIR_TILE, tiles = (B + R - 1) / R;
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+    uint32_t *xp = malloc(sizeof(uint32_t) * tiles * K2 * R);
+    if (!xp) return COLORL_NO_MEMORY;
+    for (int64_t t = 0; t < tiles; t++) kpairs_of_x(x, xp + t * K2 * R, B, K, t * R, R);
+    int team = threads > 1 && pairs >= (B <= KPAIR_TILE ? 8 : 2) * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
+        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+        for (int64_t q = q0; q < q1; q++) {
+            const uint16_t *wp = panels + q * kpairs_pair_size(K);
+            int64_t n0 = 2 * q * PANEL, widths[2];
+            float bv[2][PANEL];
+            kpairs_bias(bias, N, n0, widths, bv);
+            for (int64_t t = 0; t < tiles; t++) {
+                const uint32_t *xt = xp + t * K2 * R;
+                __m512 c[KPAIR_TILE];
+                switch (R) { /* one copy of the loop per row count, its sums in registers */
+                KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
+                KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) default: kpairs_sums(xt, wp, K2, 8, t == 0, c);
+                }
+                kpairs_store(c, R, y, B, N, t * R, n0, widths, bv);
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the same products on AMX tiles
+ * On CPUs with AMX one TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 outputs of w and adds the
+ * float32 sums into a 16 x 16 tile: a decode step's product is bound by the weights' stream there.
+ * Whether a few rows run here or on the rows kernel is the race's (cpu_decode.py), as on any CPU.
+ *
+ * Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process);
+ * refused, or turned off (colorl_use_amx(0), COLORL_CPU_DECODE_AMX=0 in cpu_decode.py), the FMA loops
+ * above run, on the same panels. */
+#if HAVE_AMX
+int colorl_use_amx(int on) { /* 1 when the bf16 products over the panels run on AMX from now on */
+    amx_on = on && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_on;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config_t;
+
+static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes, for this thread */
+    amx_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+#define AMX_TILE_AHEAD 4 /* weight tiles (1 KB each) asked for ahead of the one loaded */
+/* Tiles: the sums of up to AMX_BLOCKS row blocks in 0-2, their x in 3-5, and the weights in 6 and 7 by turns
+ * (k-blocks even, odd): a tile is loaded while the one before is still multiplied. (Two pairs of panels
+ * at a time against two row blocks, each tile used twice, measured no faster: the stream bounds it.) */
+#define AMX_BLOCKS 3
+#define AMX_DOT(t, xt, wt)                                                                         \
+    if (blocks > t) {                                                                              \
+        _tile_loadd(xt, xa + ((first + t) * K32 + kb) * 512, 64);                                  \
+        _tile_dpbf16ps(t, xt, wt);                                                                 \
+    }
+#define AMX_STORE(t)                                                                               \
+    if (blocks > t) _tile_stored(t, sums + t * 256, 64);
+/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on AMX: x laid out once per call in 16-row
+ * blocks of tiles ([B/16, K/32, 16, 32], zero-padded); each thread streams its run of pairs of panels once
+ * (the first AMX_BLOCKS row blocks read it from memory, any later ones from L2). */
+static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
+                           int64_t N, int64_t K, int threads) {
+    int64_t K2 = (K + 1) / 2, K32 = (K + 31) / 32, whole = K2 / 16, RB = (B + 15) / 16;
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+    uint16_t *xa = aligned_alloc(64, (size_t)RB * K32 * 512 * sizeof(uint16_t));
+    if (!xa) return COLORL_NO_MEMORY;
+    for (int64_t rb = 0; rb < RB; rb++)
+        for (int64_t kb = 0; kb < K32; kb++)
+            for (int64_t r = 0; r < 16; r++) {
+                uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
+                int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
+                if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
+                if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
+            }
+    int failed = 0, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        uint16_t *tail = aligned_alloc(64, 512 * sizeof(uint16_t)); /* a partial last weight tile, zero-padded */
+        float *sums = aligned_alloc(64, AMX_BLOCKS * 256 * sizeof(float));
+        if (!tail || !sums) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_configure();
+            int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
+            int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+            for (int64_t q = q0; q < q1; q++) {
+                const uint16_t *wp = panels + q * kpairs_pair_size(K);
+                if (whole < K32) {
+                    memset(tail, 0, 512 * sizeof(uint16_t));
+                    memcpy(tail, wp + whole * 512, (K2 - whole * 16) * 32 * sizeof(uint16_t));
+                }
+                int64_t n0 = 2 * q * PANEL, widths[2];
+                float bv[2][PANEL];
+                kpairs_bias(bias, N, n0, widths, bv);
+                for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
+                    int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2);
+                    for (int64_t kb = 0; kb < K32; kb++) {
+                        if (first == 0) /* the stream, AMX_TILE_AHEAD tiles on (into the next pair at the end) */
+                            for (int line = 0; line < 16; line++)
+                                __builtin_prefetch(wp + (kb + AMX_TILE_AHEAD) * 512 + line * 32, 0, 2);
+                        if (kb & 1) {
+                            _tile_loadd(7, kb < whole ? wp + kb * 512 : tail, 64);
+                            AMX_DOT(0, 3, 7) AMX_DOT(1, 4, 7) AMX_DOT(2, 5, 7)
+                        } else {
+                            _tile_loadd(6, kb < whole ? wp + kb * 512 : tail, 64);
+                            AMX_DOT(0, 3, 6) AMX_DOT(1, 4, 6) AMX_DOT(2, 5, 6)
+                        }
+                    }
+                    AMX_STORE(0) AMX_STORE(1) AMX_STORE(2)
+                    for (int64_t t = 0; t < blocks; t++)
+                        for (int64_t r = 0; r < 16; r++) {
+                            int64_t b = (first + t) * 16 + r;
+                            if (b >= B) break;
+                            const float *s = sums + t * 256 + r * 16;
+                            for (int v = 0; v < 2; v++)
+                                if (widths[v]) store_sums_bf16(y + b * N + n0 + v * PANEL, load8(s + v * PANEL), bv[v], widths[v]);
+                        }
+                }
+            }
+            _tile_release();
+        }
+        free(tail);
+        free(sums);
+    }
+    free(xa);
+    return failed ? COLORL_NO_MEMORY : 0;
+}
+#endif
