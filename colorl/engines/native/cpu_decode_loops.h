@@ -74,8 +74,8 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * More rows than the rows kernel takes (MAX_ROWS in cpu_decode.py): a product bound by arithmetic,
  * not by the stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28
  * GFLOP/s of 76 on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue
- * 31), in the classic way: x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
- * a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
+ * 31), in the classic way: x packed per call in tiles of rows (TILE_ROWS of them each, [K, rows], float32),
+ * and a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
  * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's
  * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them).
  * Each thread streams its own run of pairs once (the first tile asks for them PANEL_AHEAD values
