@@ -11,7 +11,7 @@
  * of panels (16 outputs) is [K2 = ceil(K / 2)][16][2]: k-pair j of output o at (j * 16 + o) * 2, zero
  * past N and K. Both loops then read it as one sequential stream:
  * - the FMA loops: per k-pair one 64-byte weight load and one VDPBF16PS per row of x (its k-pair
- *   broadcast), TILE = 8 rows of sums at a time, as the k-major loops hold them;
+ *   broadcast), up to 16 rows of sums at a time, as the k-major loops hold them;
  * - the tiles: each 16 k-pairs of a pair of panels is one weight tile, loaded straight from the panels
  *   (16 rows of 64 bytes, 1 KB in a row); only a K that is not a multiple of 32 copies its last, partial
  *   tile into zeros. Per weight tile one x tile and one TDPBF16PS per 16 rows of x.
@@ -19,7 +19,8 @@
  * Both round float32 sums to bf16 once, as every other product does; both flush bf16 subnormals to
  * zero (as the instructions do), which the products' tests allow for. */
 
-#define KPAIR_TILE 8 /* rows of x whose sums the FMA loop holds at once (eight 16-wide registers) */
+#define KPAIR_TILE 16 /* the most rows of x whose sums the FMA loop holds at once (16-wide registers) */
+#define KPAIR_ROWS(B, left) ((B) <= 8 ? (B) : (left) > 8 ? 16 : 8) /* a tile's rows, as TILE_ROWS in cpu_decode_loops.h */
 
 static inline int64_t kpairs_pair_size(int64_t K) { return 32 * ((K + 1) / 2); } /* elements of a pair of panels */
 
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) void kpairs_sums(const uint32_t *xt
         if (fetch) __builtin_prefetch(wp + j * 32 + PANEL_AHEAD, 0, 2); /* one line per k-pair, 4 KB ahead */
         __m512bh w = (__m512bh)_mm512_loadu_si512(wp + j * 32);
         const uint32_t *xj = xt + j * R;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int64_t i = 0; i < R; i++) c[i] = _mm512_dpbf16_ps(c[i], w, (__m512bh)_mm512_set1_epi32((int)xj[i]));
     }
 }
@@ -89,12 +90,12 @@ static void kpairs_bias(const uint16_t *bias, int64_t N, int64_t n0, int64_t wid
  * the pair, 18 KB at K = 576, from L1/L2). */
 static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
                            int64_t N, int64_t K, int threads) {
-    int64_t K2 = (K + 1) / 2, R = B < KPAIR_TILE ? B : KPAIR_TILE, tiles = (B + R - 1) / R;
-    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
-    uint32_t *xp = malloc(sizeof(uint32_t) * tiles * K2 * R);
+    int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL), packed = 0;
+    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) packed += KPAIR_ROWS(B, B - b0);
+    uint32_t *xp = malloc(sizeof(uint32_t) * packed * K2); /* tile by tile from row b0: [K2, R] */
     if (!xp) return COLORL_NO_MEMORY;
-    for (int64_t t = 0; t < tiles; t++) kpairs_of_x(x, xp + t * K2 * R, B, K, t * R, R);
-    int team = threads > 1 && pairs >= (B <= KPAIR_TILE ? 8 : 2) * threads ? threads : 1;
+    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0));
+    int team = threads > 1 && pairs >= (B <= 8 ? 8 : 2) * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
@@ -104,14 +105,16 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
             int64_t n0 = 2 * q * PANEL, widths[2];
             float bv[2][PANEL];
             kpairs_bias(bias, N, n0, widths, bv);
-            for (int64_t t = 0; t < tiles; t++) {
-                const uint32_t *xt = xp + t * K2 * R;
+            for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) {
+                int64_t R = KPAIR_ROWS(B, B - b0), t = b0; /* t == 0: the first tile streams the pair, ahead */
+                const uint32_t *xt = xp + b0 * K2;
                 __m512 c[KPAIR_TILE];
                 switch (R) { /* one copy of the loop per row count, its sums in registers */
                 KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
-                KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) default: kpairs_sums(xt, wp, K2, 8, t == 0, c);
+                KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) KPAIRS_TILE_CASE(8)
+                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, t == 0, c);
                 }
-                kpairs_store(c, R, y, B, N, t * R, n0, widths, bv);
+                kpairs_store(c, R, y, B, N, b0, n0, widths, bv);
             }
         }
     }

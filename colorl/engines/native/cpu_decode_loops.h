@@ -74,8 +74,8 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * More rows than the rows kernel takes (MAX_ROWS in cpu_decode.py): a product bound by arithmetic,
  * not by the stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28
  * GFLOP/s of 76 on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue
- * 31), in the classic way: x packed per call in tiles of TILE rows ([B/TILE, K, TILE], float32), and
- * a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
+ * 31), in the classic way: x packed per call in tiles of rows (TILE_ROWS of them each, [K, rows], float32),
+ * and a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
  * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's
  * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them).
  * Each thread streams its own run of pairs once (the first tile asks for them PANEL_AHEAD values
@@ -109,10 +109,13 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
 
 #if defined(__AVX512F__)
 /* With AVX-512 (32 registers of 16 floats) a pair of panels is one register: per k the two weight
- * vectors are joined (one vshuff32x4) and TILE = 8 broadcasts feed eight 16-wide FMAs, twice the
+ * vectors are joined (one vshuff32x4) and up to TILE = 16 broadcasts feed sixteen 16-wide FMAs, twice the
  * arithmetic per instruction of the 8-wide tile below, which ran at 38 % of an AVX-512 core's matmul
- * rate (bench/README.md, the Xeon's floors). */
-#define TILE 8
+ * rate (bench/README.md, the Xeon's floors). Sixteen rows of sums keep sixteen FMAs in flight (two ports
+ * times their latency of four, twice over) and read each pair once per 16 rows; the last rows of a
+ * product, 8 or fewer, take a tile of 8 rather than a half-empty one of 16 (TILE_ROWS). */
+#define TILE 16
+#define TILE_ROWS(left) ((left) > 8 ? 16 : 8)
 typedef float v16 __attribute__((vector_size(64)));
 
 /* k's 8 weights of panel a and of panel b, as one 16-wide register (one vshuff32x4). */
@@ -126,9 +129,13 @@ static inline v8 NAMED(half_of)(v16 sums, int v) {
              : __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
 }
 
+/* R rows of x (xt [K, R]) against a pair of panels; R is a constant where it is inlined, so the sums stay in
+ * registers. */
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int fetch, v8 c[TILE][2]) {
-    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
+                                                                   int64_t K, int R, int fetch, v8 c[TILE][2]) {
+    v16 s[TILE];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) s[i] = (v16){0};
     for (int64_t k = 0; k < K; k++) {
         const ELEM *ka = wa + k * PANEL, *kb = wb + k * PANEL;
         if (fetch) {
@@ -136,21 +143,22 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
             __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
         }
         v16 w = NAMED(pair_at)(ka, kb);
-        const float *xk = xt + k * TILE;
-        s0 += w * xk[0]; s1 += w * xk[1]; s2 += w * xk[2]; s3 += w * xk[3];
-        s4 += w * xk[4]; s5 += w * xk[5]; s6 += w * xk[6]; s7 += w * xk[7];
+        const float *xk = xt + k * R;
+#pragma GCC unroll 16
+        for (int i = 0; i < R; i++) s[i] += w * xk[i];
     }
-    v16 s[TILE] = {s0, s1, s2, s3, s4, s5, s6, s7};
-    for (int i = 0; i < TILE; i++) {
+    for (int i = 0; i < R; i++) {
         c[i][0] = NAMED(half_of)(s[i], 0);
         c[i][1] = NAMED(half_of)(s[i], 1);
     }
 }
 #else
 #define TILE 6
+#define TILE_ROWS(left) TILE
 
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int fetch, v8 c[TILE][2]) {
+                                                                   int64_t K, int R, int fetch, v8 c[TILE][2]) {
+    (void)R; /* always TILE */
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
@@ -289,15 +297,14 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
     return kpairs_fma_bf16(x, panels, bias, y, B, N, K, threads);
 #endif
     if (B <= 8) return NAMED(panels_few)(x, panels, bias, y, B, N, K, threads);
-    int64_t tiles = (B + TILE - 1) / TILE, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
-    float *xp = malloc(sizeof(float) * tiles * TILE * K);
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), packed = 0;
+    for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) packed += TILE_ROWS(B - b0);
+    float *xp = malloc(sizeof(float) * packed * K); /* tile by tile from row b0: [K, R], zeros past B */
     if (!xp) return COLORL_NO_MEMORY;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t i = 0; i < TILE; i++) {
-                int64_t b = t * TILE + i;
-                xp[(t * K + k) * TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
-            }
+    for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0))
+        for (int64_t k = 0, R = TILE_ROWS(B - b0); k < K; k++)
+            for (int64_t i = 0; i < R; i++)
+                xp[b0 * K + k * R + i] = b0 + i < B ? LOAD1(x + (b0 + i) * K + k) : 0.0f;
     int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
@@ -312,15 +319,16 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
                 widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
                 NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
             }
-            for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) {
+                int R = TILE_ROWS(B - b0), first = b0 == 0; /* the first tile streams the pair, ahead */
                 v8 c[TILE][2];
-                if (t == 0)
-                    NAMED(panel_tile)(xp + t * K * TILE, wa, wb, K, 1, c);
+                if (R == TILE)
+                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 1, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 0, c);
                 else
-                    NAMED(panel_tile)(xp + t * K * TILE, wa, wb, K, 0, c);
-                for (int64_t i = 0; i < TILE && t * TILE + i < B; i++)
+                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 1, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 0, c);
+                for (int64_t i = 0; i < R && b0 + i < B; i++)
                     for (int v = 0; v < 2; v++)
-                        if (widths[v]) NAMED(store_sums)(y + (t * TILE + i) * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
+                        if (widths[v]) NAMED(store_sums)(y + (b0 + i) * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
             }
         }
     }
