@@ -71,15 +71,6 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
             if (widths[v]) store_sums_bf16(y + (b0 + i) * N + n0 + v * PANEL, half_of_bf16((v16)c[i], v), bv[v], widths[v]);
 }
 
-/* The pair of panels at outputs n0..: each panel's width (0 for padding) and bias. */
-static void kpairs_bias(const uint16_t *bias, int64_t N, int64_t n0, int64_t widths[2], float bv[2][PANEL]) {
-    for (int v = 0; v < 2; v++) {
-        int64_t left = N - n0 - v * PANEL;
-        widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
-        panel_bias_bf16(bias, n0 + v * PANEL, widths[v], bv[v]);
-    }
-}
-
 #define KPAIRS_TILE_CASE(R)                                                                        \
     case R:                                                                                        \
         kpairs_sums(xt, wp, K2, R, t == 0, c);                                                     \
@@ -104,7 +95,7 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
             const uint16_t *wp = panels + q * kpairs_pair_size(K);
             int64_t n0 = 2 * q * PANEL, widths[2];
             float bv[2][PANEL];
-            kpairs_bias(bias, N, n0, widths, bv);
+            pair_bias_bf16(bias, N, n0, widths, bv);
             for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) {
                 int64_t R = KPAIR_ROWS(B, B - b0), t = b0; /* t == 0: the first tile streams the pair, ahead */
                 const uint32_t *xt = xp + b0 * K2;
@@ -202,7 +193,7 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
                 }
                 int64_t n0 = 2 * q * PANEL, widths[2];
                 float bv[2][PANEL];
-                kpairs_bias(bias, N, n0, widths, bv);
+                pair_bias_bf16(bias, N, n0, widths, bv);
                 for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
                     int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
                     _tile_zero(0); _tile_zero(1); _tile_zero(2);

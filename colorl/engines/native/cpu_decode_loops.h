@@ -202,6 +202,15 @@ static inline void NAMED(panel_bias)(const ELEM *bias, int64_t n0, int64_t width
     for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
 }
 
+/* The pair of panels at outputs n0..: each panel's width (0 for padding) and bias. */
+static inline void NAMED(pair_bias)(const ELEM *bias, int64_t N, int64_t n0, int64_t widths[2], float bv[2][PANEL]) {
+    for (int v = 0; v < 2; v++) {
+        int64_t left = N - n0 - v * PANEL;
+        widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
+        NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
+    }
+}
+
 #if defined(__AVX512F__)
 /* Pairs of panels q0..q1 against B <= 8 rows of x packed k-major (xt [K, B]), a pair in one 16-wide
  * register as in the tile above: per k B FMAs for 16 outputs where the 8-wide loop below needs B
@@ -314,11 +323,7 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
             const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
             int64_t n0 = 2 * q * PANEL, widths[2];
             float bv[2][PANEL];
-            for (int v = 0; v < 2; v++) {
-                int64_t left = N - n0 - v * PANEL;
-                widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
-                NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
-            }
+            NAMED(pair_bias)(bias, N, n0, widths, bv);
             for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) {
                 int R = TILE_ROWS(B - b0), first = b0 == 0; /* the first tile streams the pair, ahead */
                 v8 c[TILE][2];
