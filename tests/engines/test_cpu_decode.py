@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
-from colorl.engines.native.model import AttentionGroup, _rotate, paged_attention
+from colorl.engines.native.model import AttentionGroup, DecoderLayer, _rotate, paged_attention
 from colorl.kernels import onednn_chosen
 from colorl.machine import cpu_identity
 from colorl.threads import pinned
@@ -554,6 +554,38 @@ def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled,
     for whole, reference in zip(*outputs):
         assert whole.output_ids == reference.output_ids
         assert whole.logprobs == reference.logprobs
+
+
+def test_the_layers_pointers_are_kept_between_steps_and_rebuilt_after_a_weight_load(compiled, tiny_model_dir,
+                                                                                    monkeypatch):
+    """The whole-layer decode's array of every layer's pointers (CausalLM._compiled_layers) is built once for a run
+    of decode steps and kept; a weight load drops the panels it points into, so the next step builds it again
+    over the new panels, and decodes exactly as the per-operation path does with the new weights."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 13)))
+    built = []
+    original = DecoderLayer.compiled_tensors
+    monkeypatch.setattr(DecoderLayer, "compiled_tensors", lambda self, *args: built.append(self) or original(self, *args))
+    prompts = [list(range(10, 10 + n)) for n in range(3, 15)]  # 12 sequences: every decode step over the panels
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=i) for i in range(12)]
+    requests = lambda tag: [GenerationRequest(f"{tag}{i}", p, params[i]) for i, p in enumerate(prompts)]  # noqa: E731
+    halved = lambda eng: [(name, t * 0.5) for name, t in eng.model.hf_weights().items()]  # noqa: E731
+    eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=128, block_size=4, max_prefill_tokens=256))
+    eng.generate(requests("a"))
+    layers = len(eng.model.layers)
+    assert len(built) == layers  # once, for five decode steps
+    eng.load_weights(halved(eng))
+    after_load = eng.generate(requests("b"))
+    assert len(built) == 2 * layers  # again, over the new weights' panels
+    reference = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=128, block_size=4, max_prefill_tokens=256))
+    reference.load_weights(halved(reference))
+    compiled.seconds = {}  # the per-operation path
+    try:
+        expected = reference.generate(requests("b"))
+    finally:
+        compiled.seconds = None
+    for got, want in zip(after_load, expected):
+        assert got.output_ids == want.output_ids
+        assert got.logprobs == want.logprobs
 
 
 @pytest.mark.parametrize("env, said", [({"COLORL_CPU_DECODE": "0"}, ""),

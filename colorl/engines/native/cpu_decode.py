@@ -464,15 +464,18 @@ class PanelCopies:
 
     def __init__(self) -> None:
         self._panels: dict[int, tuple[int, torch.Tensor]] = {}  # id(weight) -> (data_ptr, panels)
+        self.generation = 0  # moves whenever a copy is made or dropped: what holds their pointers checks it
 
     def of(self, weight: torch.Tensor, compiled: CpuDecode) -> torch.Tensor:
         entry = self._panels.get(id(weight))
         if entry is None or entry[0] != weight.data_ptr():
             entry = self._panels[id(weight)] = (weight.data_ptr(), compiled.pack_panels(weight.detach()))
+            self.generation += 1
         return entry[1]
 
     def clear(self) -> None:
         self._panels.clear()
+        self.generation += 1
 
 
 @functools.cache
