@@ -73,7 +73,7 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
 
 #define KPAIRS_TILE_CASE(R)                                                                        \
     case R:                                                                                        \
-        kpairs_sums(xt, wp, K2, R, t == 0, c);                                                     \
+        kpairs_sums(xt, wp, K2, R, first, c);                                                      \
         break;
 
 /* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units: each thread one contiguous
@@ -97,13 +97,14 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
             float bv[2][PANEL];
             pair_bias_bf16(bias, N, n0, widths, bv);
             for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) {
-                int64_t R = KPAIR_ROWS(B, B - b0), t = b0; /* t == 0: the first tile streams the pair, ahead */
+                int64_t R = KPAIR_ROWS(B, B - b0);
+                int first = b0 == 0; /* the first tile streams the pair, ahead */
                 const uint32_t *xt = xp + b0 * K2;
                 __m512 c[KPAIR_TILE];
                 switch (R) { /* one copy of the loop per row count, its sums in registers */
                 KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
                 KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) KPAIRS_TILE_CASE(8)
-                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, t == 0, c);
+                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, first, c);
                 }
                 kpairs_store(c, R, y, B, N, b0, n0, widths, bv);
             }

@@ -325,7 +325,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, linears)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, linears)
-        self._compiled: tuple[tuple[int, ...], cpu_decode.DecodeLayer] | None = None  # compiled_tensors' last
         self._parameters_by_role: dict[str, torch.Tensor | None] | None = None
 
     def forward(self, x, delta, cos, sin, cache, step, compiled):
@@ -338,9 +337,8 @@ class DecoderLayer(nn.Module):
     def compiled_tensors(self, cache: torch.Tensor, compiled: CpuDecode, on_panels: bool) -> cpu_decode.DecodeLayer:
         """This layer's tensors for the compiled whole-layer decode (`CpuDecode.decode_layers`): with its
         matrices' panels when the step's products run over them (`CpuDecode.on_panels`: above the rows kernel's
-        MAX_ROWS, and below where this machine's race chose them). Checked and built once per storage: kept while
-        every pointer in it (weights, cache, panels) is the same, as it is from one decode step to the next
-        (building it each step cost 2-3 ms of a 35 ms step at batch 1)."""
+        MAX_ROWS, and below where this machine's race chose them), every tensor checked. The model keeps the
+        result while no pointer in it changes (`CausalLM._compiled_layers`)."""
         if self._parameters_by_role is None:  # the Parameter objects stay; their storage may not
             attn, mlp = self.self_attn, self.mlp
             self._parameters_by_role = dict(
@@ -352,10 +350,7 @@ class DecoderLayer(nn.Module):
         if on_panels:
             copies = self.mlp.linears.panels
             panels = {name: copies.of(tensors[name], compiled) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
-        key = tuple(t.data_ptr() for t in (cache, *tensors.values(), *(panels or {}).values()) if t is not None)
-        if self._compiled is None or self._compiled[0] != key:
-            self._compiled = (key, cpu_decode.layer_tensors(cache.dtype, cache, panels, **tensors))
-        return self._compiled[1]
+        return cpu_decode.layer_tensors(cache.dtype, cache, panels, **tensors)
 
 
 class CausalLM(nn.Module):
@@ -409,8 +404,8 @@ class CausalLM(nn.Module):
     def _compiled_layers(self, kv_cache: torch.Tensor, compiled: CpuDecode, on_panels: bool) -> ctypes.Array:
         """Every layer's tensors (`DecoderLayer.compiled_tensors`) as the array `decode_layers` takes, kept while no
         pointer in it can have changed: the cache's, every parameter's, and the panel copies' (whose generation
-        moves with each one made or dropped). From one decode step to the next none does; building the array
-        for 30 layers took 0.4 ms of a 15 ms step at batch 1 on two Xeon cores."""
+        moves with each one made or dropped). From one decode step to the next none does; building and checking
+        every layer's tensors each step cost 2-3 ms of a 35 ms step at batch 1."""
         if self._decode_parameters is None:  # the Parameter objects stay; their storage may not
             self._decode_parameters = [p for layer in self.layers for p in layer.parameters()]
         key = lambda: (kv_cache.data_ptr(), tuple(kv_cache.shape), on_panels, self.linears.panels.generation,  # noqa: E731
