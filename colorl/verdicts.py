@@ -323,9 +323,12 @@ class VerdictWatch:
         self.verdict = verdict  # the one this process computes with
         self.stale = False
         self._windows: dict[str, _Window] = {}
+        self._raced: dict[Hashable, float | None] = {}  # chosen_seconds per item: observed every decode step
 
     def observe(self, item: Hashable, seconds: float) -> None:
-        raced = chosen_seconds(self.verdict, item)
+        if item not in self._raced:
+            self._raced[item] = chosen_seconds(self.verdict, item)
+        raced = self._raced[item]
         if self.stale or raced is None:
             return
         now = time.perf_counter()

@@ -252,9 +252,9 @@ def test_a_whole_layer_with_a_bad_slot_raises_and_computes_nothing_past_it(compi
     eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4))
     original = cpu_decode.CpuDecode.decode_layers
 
-    def corrupt(self, x, layers, step, scratch):
+    def corrupt(self, x, layers, step, *rest):
         step.num_slots = 0  # as if every slot of the step were past the cache
-        return original(self, x, layers, step, scratch)
+        return original(self, x, layers, step, *rest)
 
     monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers", corrupt)
     with pytest.raises(IndexError, match="outside the cache"):
@@ -637,3 +637,41 @@ def test_engine_samples_through_the_compiled_sampler_only_with_the_loops(compile
         eng.generate([GenerationRequest("a", [10, 11, 12], SamplingParams(temperature=1.0, top_p=top_p,
                                                                           max_new_tokens=3, ignore_eos=True))])
         assert bool(calls) == drawn, (use_compiled, top_p)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+@pytest.mark.parametrize("sequences, panel_rows", [(3, "none"), (3, "all"), (11, "all")])  # rows kernel, panels
+def test_a_decode_steps_logits_come_from_the_layers_call_bit_for_bit(compiled, tmp_path, monkeypatch, dtype, sequences,
+                                                                    panel_rows, tied):
+    """A step of one-token decodes whose every token samples makes its logits in the whole-layer call (the final
+    norm and the LM head after the layers): the very bits the layers call followed by the per-operation norm,
+    head and `.float()` give, with the head tied or its own, over the rows kernel or the panels."""
+    from dataclasses import replace
+
+    from colorl.models import save_tiny_model
+
+    monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", panel_rows)
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 13)))
+    heads = []
+    whole_layers = cpu_decode.CpuDecode.decode_layers
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers",
+                        lambda self, *args: heads.append(args[4] if len(args) > 4 else None) or whole_layers(self, *args))
+    folder = save_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
+    eng = NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=256), dtype=dtype)
+    assert (eng.model.lm_head is None) == tied
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    for i in range(sequences):
+        eng.add(GenerationRequest(str(i), list(range(10, 14 + i)), params))
+    eng.step()  # the prefills
+    batch = eng.scheduler.schedule()
+    step, _ = eng.runner.prepare(batch)
+    assert step.every_token_samples and len(step.logit_rows) == sequences
+    with torch.inference_mode():
+        fused = eng.model(step, eng.runner.kv_cache)  # writes the step's K/V; the next call writes the same again
+        assert heads == [heads[0]] and heads[0] is not None
+        assert (heads[0].p is not None) == (sequences > cpu_decode.MAX_ROWS or panel_rows == "all")
+        per_operation = eng.model(replace(step, every_token_samples=False), eng.runner.kv_cache)
+    assert heads[1] is None  # the layers alone, then the norm and head in Python
+    assert fused.dtype == torch.float32 and fused.shape == (sequences, eng.spec.vocab_size)
+    assert torch.equal(fused, per_operation)

@@ -543,6 +543,11 @@ typedef struct {
     int threads;
 } decode_step_t;
 
+typedef struct {
+    const void *norm, *w, *p; /* the final norm's weight; the LM head [V, C] and its panels (NULL: the rows kernel) */
+    int64_t vocab;
+} decode_head_t;
+
 #define ELEM float
 #define SUFFIX _f32
 #define LOAD8 load8

@@ -32,6 +32,8 @@ from colorl.engines.native.host_memory import mapped_empty
 MAX_ROWS = 8  # the rows kernel's limit: more rows make a product compute-bound, the panels' ground
 MAX_PANEL_ROWS = 32  # the row counts raced one by one or between raced neighbours (a rollout batch decoding)
 PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks, scoring, larger batches
+_EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what COLORL_CPU_DECODE_ROWS may name
+_EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
 RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
@@ -77,6 +79,22 @@ class DecodeStep(ctypes.Structure):
                 *((name, _p) for name in ("cos", "sin", "positions", "slots", "tables", "lengths")),
                 ("eps", _f32), ("scale", _f32), ("threads", _int)]
 
+
+class DecodeHead(ctypes.Structure):
+    """The final norm and LM head for `decode_layers`' logits (decode_head_t): data pointers, panels None for the rows
+    kernel, and the vocabulary."""
+    _fields_ = [("norm", _p), ("w", _p), ("p", _p), ("vocab", _i64)]
+
+
+def head_tensors(dtype: torch.dtype, norm: torch.Tensor, head: torch.Tensor, panels: torch.Tensor | None) -> DecodeHead:
+    """The model's final norm weight [C] and head [V, C] (with its panels when the step's products run over them)
+    as `decode_layers` takes them to make a step's logits, every tensor checked."""
+    check_tensors(dtype, norm=norm, head=head, panels=panels)
+    if norm.shape != head.shape[1:] or (panels is not None and panels.numel() != panel_elements(*head.shape)):
+        raise ValueError("compiled decode_layers: the final norm, the head and its panels do not agree")
+    return DecodeHead(norm=norm.data_ptr(), w=head.data_ptr(), p=_ptr(panels), vocab=head.shape[0])
+
+
 _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _int], _int),
     "colorl_pack_panels": ([_p, _p, _i64, _i64, _int], None),
@@ -86,6 +104,8 @@ _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_rope_write_kv": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64], _int),
     "colorl_paged_decode": ([_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _int, _i64], _int),
     "colorl_decode_layers": ([_p, _p, _p, ctypes.POINTER(DecodeLayer), _i64, ctypes.POINTER(DecodeStep)], _int),
+    "colorl_decode_logits": ([_p, _p, _p, ctypes.POINTER(DecodeLayer), _i64, ctypes.POINTER(DecodeStep),
+                              ctypes.POINTER(DecodeHead), _p], _int),
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one of these
@@ -181,7 +201,7 @@ class CpuDecode:
         forced = forced_panel_rows()
         if forced is not None:
             return forced
-        return frozenset(int(rows) for rows in self._rows_verdict(dtype, torch.get_num_threads())["panel_rows"])
+        return self._raced_panel_rows(dtype, torch.get_num_threads())
 
     def on_panels(self, rows: int, dtype: torch.dtype) -> bool:
         """A product of `rows` rows the loops take (`takes`) runs over the weights' panels: always above MAX_ROWS,
@@ -210,8 +230,13 @@ class CpuDecode:
         return set(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS} <= self.rows_won(dtype)
 
     @functools.cache
+    @functools.cache  # asked several times a decode step; the verdict a process computes with does not change
     def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
         return between_raced(frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["won"]))
+
+    @functools.cache
+    def _raced_panel_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
+        return frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["panel_rows"])
 
     @functools.cache
     def _rows_watch(self, dtype: torch.dtype, threads: int):
@@ -336,35 +361,51 @@ class CpuDecode:
                                       torch.get_num_threads()))
         return tokens, logps
 
-    def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, step: DecodeStep,
-                      scratch: torch.Tensor) -> torch.Tensor:
+    def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, step: DecodeStep, scratch: torch.Tensor,
+                      head: DecodeHead | None = None) -> torch.Tensor:
         """Every decoder layer of a decode step of step.tokens sequences, in one call (cpu_decode_loops.h;
         above MAX_ROWS each layer must carry the matrices' panels): x [T, C] gets each layer's attention and
-        MLP outputs added, in place, but the last layer's MLP output, which is returned [T, C]. `layers`: an
-        array of `layer_tensors`' results, which checked what they point to; the caller checks `step`'s;
-        scratch: `decode_scratch_values` of the step. Not timed by kind: a bench's split runs the
+        MLP outputs added, in place, but the last layer's MLP output, which is returned [T, C]. With a `head`
+        (`head_tensors`': for a step whose every token samples), the same call then adds that output too, runs
+        the final norm and the LM head, and returns the float32 logits [T, V], the same as the model's
+        per-operation norm, head and `.float()` after the layers. `layers`: an array of `layer_tensors`'
+        results, which checked what they point to; the caller checks `step`'s; scratch:
+        `decode_scratch_values` of the step (and head). Not timed by kind: a bench's split runs the
         per-operation path instead (model.py)."""
         check_tensors(x.dtype, x=x, scratch=scratch)
-        if x.shape != (step.tokens, step.hidden) or scratch.numel() < decode_scratch_values(step):
+        if x.shape != (step.tokens, step.hidden) or scratch.numel() < decode_scratch_values(step, head, x.dtype):
             raise ValueError("compiled decode_layers: x, the scratch and the step's shapes do not agree")
         out = torch.empty_like(x)
-        _raise_for(self._functions["colorl_decode_layers", x.dtype](_ptr(x), _ptr(out), _ptr(scratch), layers,
-                                                                    len(layers), ctypes.byref(step)))
-        return out
+        if head is None:
+            _raise_for(self._functions["colorl_decode_layers", x.dtype](_ptr(x), _ptr(out), _ptr(scratch), layers,
+                                                                        len(layers), ctypes.byref(step)))
+            return out
+        logits = torch.empty(step.tokens, head.vocab, dtype=torch.float32)
+        _raise_for(self._functions["colorl_decode_logits", x.dtype](_ptr(x), _ptr(out), _ptr(scratch), layers,
+                                                                    len(layers), ctypes.byref(step),
+                                                                    ctypes.byref(head), _ptr(logits)))
+        return logits
 
 
-def decode_scratch_values(step: DecodeStep) -> int:
-    """The values `decode_layers` needs as scratch: two layers' outputs, then one layer's intermediates."""
+def decode_scratch_values(step: DecodeStep, head: DecodeHead | None = None, dtype: torch.dtype = torch.float32) -> int:
+    """The values `decode_layers` needs as scratch: two layers' outputs, then one layer's intermediates; with a
+    `head`, what they need to make the logits: then the final norm's output and, but in float32, the head's."""
     width = (step.heads + 2 * step.kv_heads) * step.head_dim
-    return step.tokens * (4 * step.hidden + width + step.heads * step.head_dim + 3 * step.intermediate)
+    values = step.tokens * (4 * step.hidden + width + step.heads * step.head_dim + 3 * step.intermediate)
+    if head is not None:
+        values += step.tokens * (step.hidden + (0 if dtype == torch.float32 else head.vocab))
+    return values
 
 
 def _forced_counts(name: str, every: frozenset[int], hint: str) -> frozenset[int] | None:
     """Environment variable `name`: "all" (`every`), "none" or row counts from `every` ("1,2,5"); unset: None.
     Anything else is one clear error naming the variable and what it takes (`hint`)."""
     value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
+    return _parsed_counts(name, value, every, hint) if value else None
+
+
+@functools.lru_cache(maxsize=64)  # read a few times a decode step; parsed once per value
+def _parsed_counts(name: str, value: str, every: frozenset[int], hint: str) -> frozenset[int]:
     if value == "all":
         return every
     if value == "none":
@@ -387,7 +428,7 @@ def forced_rows() -> frozenset[int] | None:
     """COLORL_CPU_DECODE_ROWS: "all", "none" or row counts ("1,2,5"), for every dtype and thread count
     (the CI lanes force each extreme, so that both kernels are tested at every row count on any CPU);
     unset: the race decides. "all" takes every row count, above MAX_PANEL_ROWS too."""
-    return _forced_counts("COLORL_CPU_DECODE_ROWS", frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS},
+    return _forced_counts("COLORL_CPU_DECODE_ROWS", _EVERY_ROWS,
                           f"from 1 to {MAX_PANEL_ROWS} ({PREFILL_ROWS}: every count above {MAX_PANEL_ROWS})")
 
 
@@ -395,7 +436,7 @@ def forced_panel_rows() -> frozenset[int] | None:
     """COLORL_CPU_DECODE_PANEL_ROWS: "all", "none" or row counts up to MAX_ROWS ("5,8") whose products run over
     the panels, for every dtype and thread count (the tests force each, so that both paths are tested on any
     CPU); unset: the race decides."""
-    return _forced_counts("COLORL_CPU_DECODE_PANEL_ROWS", frozenset(range(1, MAX_ROWS + 1)), f"from 1 to {MAX_ROWS}")
+    return _forced_counts("COLORL_CPU_DECODE_PANEL_ROWS", _EVERY_PANEL_ROWS, f"from 1 to {MAX_ROWS}")
 
 
 def between_raced(won: frozenset[int]) -> frozenset[int]:

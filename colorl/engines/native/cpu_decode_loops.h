@@ -484,6 +484,33 @@ int NAMED(colorl_decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
     return 0;
 }
 
+/* A decode step whose every token samples, its layers and its logits in one call: the layers as
+ * colorl_decode_layers runs them, then the last MLP output added to the stream, the final norm and the head's
+ * product as the model's per-operation path runs them (the same loops, so the same bits), the head's ELEM
+ * outputs widened to float32 logits [T, V] (the per-operation path's `.float()`). Done in Python, those last
+ * steps cost a few tensors and calls a step (0.1-0.3 ms, with cold caches after the weights' stream). x: the
+ * stream, updated in place; out: the last layer's MLP output; scratch: colorl_decode_layers' values, then
+ * T C for the norm's output and, but in float32, T V for the head's. */
+int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+                                const decode_step_t *s, const decode_head_t *head, float *logits) {
+    int code = NAMED(colorl_decode_layers)(x, out, scratch, layers, count, s);
+    if (code) return code;
+    int64_t T = s->tokens, C = s->hidden, V = head->vocab, H = s->heads, D = s->head_dim;
+    ELEM *h = scratch + T * (4 * C + (H + 2 * s->kv_heads) * D + H * D + 3 * s->intermediate);
+    ELEM *y = sizeof(ELEM) == sizeof(float) ? (ELEM *)logits : h + T * C; /* float32: the head writes the logits */
+    NAMED(colorl_add_rms_norm)(x, out, head->norm, h, T, C, s->eps);
+    if ((code = NAMED(product)(h, head->w, head->p, NULL, y, T, V, C, s->threads))) return code;
+    if ((void *)y != (void *)logits) {
+#pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T > 1)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t i = t * V, end = i + V;
+            for (; i + 8 <= end; i += 8) store8(logits + i, LOAD8(y + i));
+            for (; i < end; i++) logits[i] = LOAD1(y + i);
+        }
+    }
+    return 0;
+}
+
 #undef NAMED
 #undef LOOP_NAME
 #undef LOOP_NAME_

@@ -194,7 +194,7 @@ class NativeEngine(Engine):
             batch.add(seq, len(tokens))
             step, _ = self.runner.prepare(batch)
             rows = torch.arange(len(prompt_ids) - 1, len(tokens) - 1, device=self.device)
-            logits = self.model(dataclasses.replace(step, logit_rows=rows), self.runner.kv_cache)  # [N, V] float32
+            logits = self.model(dataclasses.replace(step, logit_rows=rows, every_token_samples=False), self.runner.kv_cache)  # [N, V] float32
             if temperature > 0:
                 logits = logits / temperature
             chosen = torch.tensor(output_ids, device=self.device)[:, None]

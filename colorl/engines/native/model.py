@@ -121,6 +121,7 @@ class AttentionGroup:
     mask: torch.Tensor | None = None  # [batch, 1, q_len, kv_len] bool, True = attend
     block_tables: torch.Tensor | None = None  # compiled decode: [batch, blocks] block ids
     lengths: torch.Tensor | None = None  # compiled decode: [batch] context tokens
+    context_tokens: int = 0  # compiled decode: the sum of lengths
     block_size: int = 0
 
 
@@ -132,6 +133,7 @@ class StepInputs:
     groups: list[AttentionGroup]
     logit_rows: torch.Tensor  # [N] rows of the T tokens whose next-token logits are needed
     max_position: int
+    every_token_samples: bool = False  # logit_rows is every row, in order: the compiled decode's call makes the logits
 
 
 # ---------------------------------------------------------------- modules
@@ -386,11 +388,19 @@ class CausalLM(nn.Module):
             cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         delta = None
         started = time.perf_counter()
-        fused = self._whole_layers(step, compiled, x, kv_cache.shape[1])
-        if fused is not None:  # one compiled call for every layer
-            inputs, scratch = fused
+        inputs = self._whole_layers(step, compiled, x, kv_cache.shape[1])
+        if inputs is not None:  # one compiled call for every layer
             on_panels = compiled.on_panels(x.shape[0], x.dtype)  # the same for every layer of the step
-            delta = compiled.decode_layers(x, self._compiled_layers(kv_cache, compiled, on_panels), inputs, scratch)
+            layers = self._compiled_layers(kv_cache, compiled, on_panels)
+            if step.every_token_samples:  # the logits come from the same call
+                head = cpu_decode.head_tensors(x.dtype, self.norm.weight, self._head(),
+                                               self.linears.panels.of(self._head(), compiled) if on_panels else None)
+                scratch = torch.empty(cpu_decode.decode_scratch_values(inputs, head, x.dtype), dtype=x.dtype)
+                logits = compiled.decode_layers(x, layers, inputs, scratch, head)
+                self._observe_decode(step, compiled, x.dtype, time.perf_counter() - started, head=True)
+                return logits
+            scratch = torch.empty(cpu_decode.decode_scratch_values(inputs), dtype=x.dtype)
+            delta = compiled.decode_layers(x, layers, inputs, scratch)
         else:
             for layer, cache in zip(self.layers, kv_cache):
                 x, delta = layer(x, delta, cos, sin, cache, step, compiled)
@@ -416,8 +426,8 @@ class CausalLM(nn.Module):
         return self._layers_array[1]
 
     def _whole_layers(self, step: StepInputs, compiled: CpuDecode | None, x: torch.Tensor,
-                      slots: int) -> tuple[cpu_decode.DecodeStep, torch.Tensor] | None:  # slots: the KV cache's per layer
-        """The step's inputs and scratch for the compiled whole-layer decode, when it serves this step:
+                      slots: int) -> cpu_decode.DecodeStep | None:  # slots: the KV cache's per layer
+        """The step's inputs for the compiled whole-layer decode, when it serves this step:
         only one-token decodes, as many as the loops take at their won row counts, a plain
         SiLU-gated Llama/Qwen2 layer (Qwen3's q/k norms run through the per-operation path), and no
         bench collecting the per-kind split (which the per-operation path times)."""
@@ -437,19 +447,20 @@ class CausalLM(nn.Module):
             num_slots=slots, num_positions=self.rotary.cos.shape[0], cos=self.rotary.cos.data_ptr(), sin=self.rotary.sin.data_ptr(), positions=step.positions.data_ptr(),
             slots=step.slot_mapping.data_ptr(), tables=group.block_tables.data_ptr(), lengths=group.lengths.data_ptr(),
             eps=s.rms_norm_eps, scale=self.layers[0].self_attn.scale, threads=torch.get_num_threads())
-        return inputs, torch.empty(cpu_decode.decode_scratch_values(inputs), dtype=x.dtype)
+        return inputs
 
-    def _observe_decode(self, step: StepInputs, compiled: CpuDecode, dtype: torch.dtype, seconds: float) -> None:
-        """Hands a step of one-token decodes' time over its layers to the check of the rows verdict it ran by
-        (`CpuDecode.observe_decode`), with the bytes those layers streamed: their weights, each sequence's K/V."""
+    def _observe_decode(self, step: StepInputs, compiled: CpuDecode, dtype: torch.dtype, seconds: float,
+                        head: bool = False) -> None:
+        """Hands a step of one-token decodes' time over its layers (and the LM head, when the same call ran it) to
+        the check of the rows verdict it ran by (`CpuDecode.observe_decode`), with the bytes they streamed: their
+        weights, each sequence's K/V."""
         group = step.groups[0] if len(step.groups) == 1 else None
         if group is None or group.lengths is None or group.batch > cpu_decode.MAX_ROWS:
             return
         s = self.spec
-        weight_bytes = s.num_layers * s.layer_matrix_elements * dtype.itemsize
-        lengths = group.lengths
+        weight_bytes = (s.num_layers * s.layer_matrix_elements + head * s.vocab_size * s.hidden_size) * dtype.itemsize
         compiled.observe_decode(dtype, group.batch, seconds, weight_bytes,
-                                lambda: int(lengths.sum()) * 2 * s.kv_size * dtype.itemsize * s.num_layers)
+                                lambda: group.context_tokens * 2 * s.kv_size * dtype.itemsize * s.num_layers)
 
     def _head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head

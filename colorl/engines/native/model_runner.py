@@ -169,6 +169,7 @@ class ModelRunner:
             groups=groups,
             logit_rows=self._tensor(logit_rows),
             max_position=max(positions),
+            every_token_samples=len(logit_rows) == len(input_ids),  # rows are appended in order, once each
         )
         return step, sampling
 
@@ -180,7 +181,7 @@ class ModelRunner:
         return AttentionGroup(
             start=start, end=end, batch=len(items), q_len=1, kv_len=max(lengths), block_size=self.block_size,
             block_tables=self._tensor([table + [0] * (width - len(table)) for table in tables]),
-            lengths=self._tensor(lengths),
+            lengths=self._tensor(lengths), context_tokens=sum(lengths),
         )
 
     def _group(self, batch: ScheduledBatch, items: list[int], start: int, end: int) -> AttentionGroup:

@@ -52,13 +52,16 @@ class Sampler:
         compiled: the native engine's compiled loops (cpu_decode.CpuDecode), which draw the rows without
         top-k/top-p on CPU in one call; None: torch's operators."""
         logits = logits.float()
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        logps = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         # Rows with top-k/top-p walk their CDF in sorted order, the others in vocabulary order;
         # each row's order depends only on its own params, never on its neighbours'.
         greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
         plain = [i for i, r in enumerate(rows) if r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0]
         filtered = [i for i, r in enumerate(rows) if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)]
+        if len(plain) == len(rows):  # a rollout's usual step: no row to pick out or put back
+            chosen, logp = self._sample(logits, rows, False, compiled)
+            return chosen.tolist(), logp.tolist()
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        logps = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
             z = logits.index_select(0, index)  # [G, V]
@@ -68,7 +71,7 @@ class Sampler:
         for group, use_filters in ((plain, False), (filtered, True)):
             if group:
                 index = torch.tensor(group, device=logits.device)
-                picked = logits if len(group) == len(rows) else logits.index_select(0, index)  # all rows: no copy
+                picked = logits.index_select(0, index)
                 chosen, logp = self._sample(picked, [rows[i] for i in group], use_filters, compiled)
                 tokens[index] = chosen
                 logps[index] = logp
