@@ -589,6 +589,10 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
 #define XFEATURE_XTILEDATA 18
 
 static int amx_on = 0; /* until colorl_use_amx(1) is granted */
+/* One row wastes 15 of a tile's 16 rows, and its fixed work per weight tile (loading x, storing the sums) is
+ * then the same as for 16: there the k-pair FMA loop, one VDPBF16PS per 64-byte line, streams the same panels
+ * 3-6 % faster; from two rows on the tiles are 2-75 % faster (bench/README.md, "One row on the FMA loop"). */
+#define AMX_MIN_ROWS 2
 static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
                            int64_t N, int64_t K, int threads);
 #else

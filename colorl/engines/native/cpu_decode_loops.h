@@ -300,7 +300,7 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
                          int64_t K, int threads) {
     if (B < 1) return COLORL_BAD_ROWS;
 #if AMX_PANELS
-    if (amx_on) return amx_panels_bf16(x, panels, bias, y, B, N, K, threads); /* cpu_decode_kpairs.h */
+    if (amx_on && B >= AMX_MIN_ROWS) return amx_panels_bf16(x, panels, bias, y, B, N, K, threads); /* cpu_decode_kpairs.h */
 #endif
 #if KPAIR_PANELS
     return kpairs_fma_bf16(x, panels, bias, y, B, N, K, threads);
