@@ -5,7 +5,7 @@ same for a start with the loops switched off (COLORL_CPU_DECODE=0) as the baseli
 imported before the clock starts: a run imports it anyway.
 
 Then what the run-time build buys in speed over the builds an install-time wheel would ship: the rows
-kernel's decode products (colorl.engines.native.cpu_decode.race_rows: 85 MB of weights streamed at 1, 4 and 8
+kernel's decode products (colorl.engines.native.cpu_decode.race_rows: race_bytes() of weights streamed at 1, 4 and 8
 rows, best of its rounds) in the loops built with -march=native against the same source built for the ISA
 levels a wheel carries (x86-64-v3: AVX2; x86-64-v4: AVX-512, only where the CPU has it), each in a fresh
 process, alternating; oneDNN's product over the same weights, timed in the same process, is the fixed
@@ -74,7 +74,9 @@ def speed_table(repeats: int) -> dict:
                 for rows, (loops, other) in build_speed(Path(folder) / name, arch).items():
                     best[name][rows].append(loops)
                     onednn[rows].append(other)
-    gigabytes = 12 * 3072 * 576 * 4 / 1e9  # what race_rows streams (cpu_decode.RACE_BYTES)
+    from colorl.engines.native import cpu_decode
+
+    gigabytes = cpu_decode.race_bytes() / 1e9  # what race_rows streams
     print(f"\ndecode products over {gigabytes * 1e3:.0f} MB, fp32, {torch_threads()} threads: GB/s (best of each build's "
           f"rounds, {repeats} processes each), and the run-time build (native) against each")
     print(f"{'build':12}" + "".join(f" {r + ' rows':>9}" for r in SPEED_ROWS) + "".join(

@@ -76,6 +76,39 @@ def cpu_identity() -> CpuIdentity:
     return CpuIdentity(model or platform.processor() or arch, arch, tuple(identity), flags)
 
 
+def _cache_size(text: str) -> int | None:
+    """sysfs's "32768K", "300M" or "1G"; None for anything else."""
+    text = text.strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        return int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
+    except ValueError:
+        return None
+
+
+@functools.cache
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The largest data cache the first core reaches (its last level: a whole socket's L3 on most Xeons, one
+    core complex's on AMD), from Linux's sysfs, or macOS's sysctl; None where the system does not say."""
+    sizes = {}
+    try:
+        entries = sorted(os.listdir(sysfs))
+    except OSError:
+        entries = []
+    for entry in entries:
+        if entry.startswith("index") and _read(f"{sysfs}/{entry}/type").strip() in ("Data", "Unified"):
+            level, size = _read(f"{sysfs}/{entry}/level").strip(), _cache_size(_read(f"{sysfs}/{entry}/size"))
+            if level.isdigit() and size:
+                sizes[int(level)] = size
+    if sizes:
+        return sizes[max(sizes)]
+    for line in _sysctl("hw.l3cachesize", "hw.perflevel0.l2cachesize", "hw.l2cachesize"):
+        size = _cache_size(line.split(":", 1)[-1]) if ":" in line else None
+        if size:
+            return size
+    return None
+
+
 def resolve_device(requested: str) -> str:
     """What launch.device (or --device) `requested` means on this machine: "auto" is CUDA if torch sees a
     GPU, else the CPU; anything else stays as given."""

@@ -376,7 +376,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
     races it again, and the run's own record stays as the run used it."""
     import types
 
-    from colorl import verdicts
+    from colorl import machine, verdicts
     from colorl.machine import machine_key
 
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path / "cache"))
@@ -391,7 +391,8 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
                 "ties_to_loops_up_to": cpu_decode.MAX_ROWS}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
-    monkeypatch.setattr(cpu_decode, "RACE_BYTES", 1)  # the tiny model's weights count as a stream from memory
+    monkeypatch.setattr(cpu_decode, "RACE_MIN_BYTES", 1)  # the tiny model's weights count as a stream from memory
+    monkeypatch.setattr(machine, "last_level_cache_bytes", lambda: None)
     monkeypatch.setattr(verdicts, "OthersLoad", lambda: types.SimpleNamespace(cores=lambda: 0.0))  # quiet
     monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -412,6 +413,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         assert len(raced) == (2 if contradicted else 1)
     finally:
         verdicts.record_in_run(None)
+        cpu_decode.race_bytes.cache_clear()  # in case it was first asked with the smallest size patched
 
 
 ROWS, PANEL_ROWS = "COLORL_CPU_DECODE_ROWS", "COLORL_CPU_DECODE_PANEL_ROWS"
@@ -446,7 +448,8 @@ def test_a_bad_forced_decode_verdict_is_one_clear_error(monkeypatch, name, read,
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-def test_race_measures_every_row_count(compiled, dtype):
+def test_race_measures_every_row_count(compiled, monkeypatch, dtype):
+    monkeypatch.setattr(cpu_decode, "race_bytes", lambda: cpu_decode.RACE_MIN_BYTES)  # the race's rules, not its size
     verdict = cpu_decode.race_rows(compiled, dtype)
     raced = {*range(1, cpu_decode.MAX_ROWS + 1), *cpu_decode.PANEL_RACE_ROWS}
     assert set(verdict["seconds"]) == set(verdict["loops"]) == {str(rows) for rows in raced}
@@ -675,3 +678,38 @@ def test_a_decode_steps_logits_come_from_the_layers_call_bit_for_bit(compiled, t
     assert heads[1] is None  # the layers alone, then the norm and head in Python
     assert fused.dtype == torch.float32 and fused.shape == (sequences, eng.spec.vocab_size)
     assert torch.equal(fused, per_operation)
+
+
+@pytest.mark.parametrize("cache_mib, raced_mib", [(None, 81), (32, 81), (300, 600), (4096, 1024)])
+def test_a_race_streams_twice_the_last_level_cache(monkeypatch, cache_mib, raced_mib):
+    """Over weights the last-level cache holds other kernels win than over a decode step's stream from memory
+    (bench/race_size.py): the race streams twice that cache, at least 85 MB and at most 1 GiB, in whole
+    matrices, and its verdict is kept under a name of its own when it is not the smallest size."""
+    from colorl import machine
+
+    monkeypatch.setattr(machine, "last_level_cache_bytes", lambda: cache_mib and cache_mib * 2**20)
+    cpu_decode.race_bytes.cache_clear()
+    try:
+        size = cpu_decode.race_bytes()
+        assert size % cpu_decode.RACE_MATRIX_BYTES == 0 and 0 <= size - raced_mib * 2**20 < cpu_decode.RACE_MATRIX_BYTES
+        assert size >= 2 * (cache_mib or 0) * 2**20 or size >= cpu_decode.RACE_MAX_BYTES
+        library = cpu_decode.CpuDecode.__new__(cpu_decode.CpuDecode)
+        library.build, library.amx = "b", False
+        assert library.rows_verdict_name(torch.float32, 2).endswith(
+            "rows at 2 threads" if raced_mib == 81 else f"over {size // 2**20} MiB")
+    finally:
+        cpu_decode.race_bytes.cache_clear()
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    from colorl.machine import last_level_cache_bytes
+
+    for index, (kind, level, size) in enumerate([("Data", 1, "48K"), ("Instruction", 1, "32K"), ("Unified", 2, "2048K"),
+                                                 ("Unified", 3, "300M")]):
+        folder = tmp_path / "cache" / f"index{index}"
+        folder.mkdir(parents=True)
+        for name, value in (("type", kind), ("level", str(level)), ("size", size)):
+            (folder / name).write_text(value + "\n")
+    assert last_level_cache_bytes(str(tmp_path / "cache")) == 300 * 2**20
+    (tmp_path / "cache" / "index3" / "size").write_text("garbage\n")  # unreadable: the level below
+    assert last_level_cache_bytes.__wrapped__(str(tmp_path / "cache")) == 2 * 2**20

@@ -36,9 +36,22 @@ _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what C
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
-RACE_MATRICES = 12  # of [3072, 576] float32: 85 MB, more than a last-level cache holds
-RACE_BYTES = RACE_MATRICES * 3072 * 576 * 4  # the weights a race item streams, in either dtype
+RACE_MATRIX_BYTES = 3072 * 576 * 4  # one raced [3072, 576] float32 matrix (half as many elements' bf16 ones)
+RACE_MIN_BYTES = 12 * RACE_MATRIX_BYTES  # 85 MB: more than most last-level caches hold
+RACE_MAX_BYTES = 2**30
 RACE_ROUNDS = 3
+
+
+@functools.cache
+def race_bytes() -> int:
+    """The weights a race item streams, in either dtype: twice what this CPU's last-level cache holds (at least
+    RACE_MIN_BYTES, at most RACE_MAX_BYTES), so that they come from memory as a decode step's weights do. Over
+    weights a cache holds other kernels win: on a Xeon with a 300 MB L3, MKL's products beat the loops' at
+    1-2 rows over 85 MB and lost to them over 595 MB (bench/README.md, "Races over more than the cache")."""
+    from colorl.machine import last_level_cache_bytes
+
+    wanted = min(max(RACE_MIN_BYTES, 2 * (last_level_cache_bytes() or 0)), RACE_MAX_BYTES)
+    return -(-wanted // RACE_MATRIX_BYTES) * RACE_MATRIX_BYTES
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -210,7 +223,9 @@ class CpuDecode:
 
     def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
         on_amx = " on AMX" if self.amx and dtype == torch.bfloat16 else ""  # the loops' panels are another race there
-        return f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}") + on_amx
+        over = "" if race_bytes() == RACE_MIN_BYTES else f" over {race_bytes() // 2**20} MiB"  # a size of its own
+        return (f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
+                + on_amx + over)
 
     @functools.cache
     def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:
@@ -247,16 +262,18 @@ class CpuDecode:
     def observe_decode(self, dtype: torch.dtype, rows: int, seconds: float, weight_bytes: int,
                        kv_bytes: Callable[[], int]) -> None:
         """A decode step's `seconds` over its layers, at `rows` sequences, checked against the rows verdict it ran
-        by (colorl.verdicts.VerdictWatch). Comparable: the race times products that stream RACE_BYTES of weights
-        no cache holds, and such a step streams its layers' weights and each sequence's K/V once, the rest of
-        its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
-        second it streamed. Steps over fewer weight bytes than the race's (a model a cache holds, whose calls
-        weigh more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is."""
-        if (weight_bytes < RACE_BYTES or dtype not in DTYPES or forced_rows() is not None
-                or forced_panel_rows() is not None):
+        by (colorl.verdicts.VerdictWatch). Comparable: the race times products that stream `race_bytes()` of
+        weights no cache holds, and such a step streams its layers' weights and each sequence's K/V once, the rest
+        of its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
+        second it streamed. Steps over weights a cache holds (or fewer than RACE_MIN_BYTES, whose calls weigh
+        more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is."""
+        from colorl.machine import last_level_cache_bytes
+
+        if (weight_bytes < max(RACE_MIN_BYTES, last_level_cache_bytes() or 0) or dtype not in DTYPES
+                or forced_rows() is not None or forced_panel_rows() is not None):
             return
         watch = self._rows_watch(dtype, torch.get_num_threads())
-        watch.observe(rows, seconds * RACE_BYTES / (weight_bytes + kv_bytes()))
+        watch.observe(rows, seconds * race_bytes() / (weight_bytes + kv_bytes()))
 
     @_timed("products")
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -467,7 +484,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     from colorl.verdicts import stable_race
 
     gen = torch.Generator().manual_seed(0)
-    matrices = RACE_MATRICES * 4 // dtype.itemsize  # the same bytes in either dtype
+    matrices = race_bytes() // RACE_MATRIX_BYTES * 4 // dtype.itemsize  # the same bytes in either dtype
     weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(matrices)]
     packed = PackedLinears()
     packed.repack(weights)
