@@ -199,6 +199,12 @@ def test_paged_decode_equals_gathered_sdpa(compiled, heads, kv_heads, dim, dtype
                                mask=torch.ones(1, 1, 1, length, dtype=torch.bool))
         expected = paged_attention(q[i:i + 1], cache, group, dim ** -0.5)
         torch.testing.assert_close(out[i:i + 1], expected, **TOLERANCE[dtype])
+    for threads in (1, 2, 3):  # one sequence at a time: in bf16 the threads share out its KV heads
+        with pinned(threads):
+            for i in range(len(lengths)):
+                alone = compiled.paged_decode(q[i:i + 1], cache, torch.tensor(tables[i:i + 1]),
+                                              torch.tensor(lengths[i:i + 1]), block, dim ** -0.5)
+                assert torch.equal(alone, out[i:i + 1])
 
 
 @pytest.fixture(scope="module")

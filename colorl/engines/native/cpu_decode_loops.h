@@ -372,28 +372,44 @@ int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, in
  * In bf16 one task per sequence first widens its context's keys and values, every head at once
  * (each block one sequential run), to float32 in a one-block cache of the same layout, then runs
  * decode_one per KV head over it from L2: widening inside the loops, or per head from a strided
- * read, made bf16 attention 1.5x slower than float32 for half the bytes. */
+ * read, made bf16 attention 1.5x slower than float32 for half the bytes. With fewer sequences than
+ * threads (a batch-1 step) each task takes a share of the KV heads instead, widening only theirs, so
+ * that no thread waits through the whole attention. */
 #if STAGE_KV
+static void NAMED(widen)(const ELEM *from, float *to, int64_t count) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) store8(to + i, LOAD8(from + i));
+    for (; i < count; i++) to[i] = LOAD1(from + i);
+}
+
+/* KV heads [h0, h1) of one sequence: the outputs of their query heads. */
 static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
-                                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-    int64_t stride = 2 * Hkv * D;
+                                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t h0,
+                                  int64_t h1) {
+    int64_t stride = 2 * Hkv * D, group = H / Hkv, every = h0 == 0 && h1 == Hkv;
     float *staged = thread_scratch(length * stride + 2 * H * D);
     if (!staged) return COLORL_NO_MEMORY;
     float *qf = staged + length * stride, *of = qf + H * D;
-    for (int64_t i = 0; i < H * D; i++) qf[i] = LOAD1(q + i);
+    NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
     for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
         const ELEM *run = cache + table[b] * block_size * stride;
-        int64_t count = ((first + block_size < length ? first + block_size : length) - first) * stride, i = 0;
+        int64_t count = (first + block_size < length ? first + block_size : length) - first;
         float *to = staged + first * stride;
-        for (; i + 8 <= count; i += 8) store8(to + i, LOAD8(run + i));
-        for (; i < count; i++) to[i] = LOAD1(run + i);
+        if (every) {
+            NAMED(widen)(run, to, count * stride);
+            continue;
+        }
+        for (int64_t t = 0; t < count; t++)
+            for (int64_t part = 0; part < 2; part++) /* the keys, the values */
+                NAMED(widen)(run + t * stride + part * Hkv * D + h0 * D, to + t * stride + part * Hkv * D + h0 * D,
+                             (h1 - h0) * D);
     }
     const int64_t one_block = 0;
-    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+    for (int64_t kvh = h0; kvh < h1; kvh++)
         if (decode_head(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh)) return COLORL_NO_MEMORY;
-    int64_t i = 0;
-    for (; i + 8 <= H * D; i += 8) STORE8(out + i, load8(of + i));
-    for (; i < H * D; i++) STORE1(out + i, of[i]);
+    int64_t i = h0 * group * D, end = h1 * group * D;
+    for (; i + 8 <= end; i += 8) STORE8(out + i, load8(of + i));
+    for (; i < end; i++) STORE1(out + i, of[i]);
     return 0;
 }
 #endif
@@ -404,13 +420,16 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
     if (check_tables(tables, width, lengths, S, block_size, num_slots)) return COLORL_OUT_OF_RANGE;
     int failed = 0;
 #if STAGE_KV
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && S > 1)
-    for (int64_t s = 0; s < S; s++)
+    int64_t shares = S < threads ? (threads < Hkv ? threads : Hkv) : 1, tasks = S * shares; /* of each sequence's KV heads */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t s = task / shares, share = task % shares;
         if (NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
-                                   block_size, scale)) {
+                                   block_size, scale, share * Hkv / shares, (share + 1) * Hkv / shares)) {
 #pragma omp atomic write
             failed = 1;
         }
+    }
 #else
     int64_t tasks = S * Hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
