@@ -66,8 +66,8 @@ def main() -> int:
                 flops = 2 * rows * INPUTS * OUTPUTS * MATRICES
                 floor = best(lambda: stream.sum())
                 seconds = {"F.linear": best(lambda: [F.linear(x, w) for w in weights])}
-                for name, on in (("AMX", True), ("FMA", False)):
-                    if compiled.use_amx(on) == on:
+                for name, on in (("AMX", True), ("FMA", False)):  # fewer rows than amx_min_rows never take the tiles
+                    if compiled.use_amx(on) == on and (rows >= compiled.amx_min_rows or not on):
                         seconds[name] = best(lambda: [compiled.panel_linear(x, p, OUTPUTS, None) for p in panels])
                 if rows <= cpu_decode.MAX_ROWS:
                     seconds["rows kernel"] = best(lambda: [compiled.linear(x, w, None) for w in weights])

@@ -600,6 +600,11 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
 int colorl_use_amx(int on) { (void)on; return 0; } /* built without AMX: never */
 #endif
 int colorl_amx_built(void) { return HAVE_AMX; }
+#if HAVE_AMX
+int colorl_amx_min_rows(void) { return AMX_MIN_ROWS; } /* fewer rows stay on the FMA loops */
+#else
+int colorl_amx_min_rows(void) { return 0; }
+#endif
 
 #define ELEM uint16_t
 #define SUFFIX _bf16

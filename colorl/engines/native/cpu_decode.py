@@ -183,6 +183,7 @@ class CpuDecode:
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
+        self.amx_min_rows = int(library.colorl_amx_min_rows())  # fewer rows run on the FMA loops even with AMX on
         self.amx = self.use_amx(amx_wanted())
 
     def use_amx(self, on: bool) -> bool:
