@@ -14,7 +14,9 @@ shared machine (the verdict is the median of the rounds' ratios):
   (`Sampler._inverse_cdf_two_level`), timed as the step's sampling call;
 - few rows: every product of a step of 1-8 sequences over the weights' panels against all on the rows kernel
   (COLORL_CPU_DECODE_PANEL_ROWS=all / none; unset, the machine's race picks per row count, as in the other
-  columns).
+  columns);
+- head: the final norm and the LM head run in the layers' compiled call (the engine's default for a step whose
+  every token samples, model.py) against after it, in Python (the same loops, called one by one).
 Each step is also split into the model's forward and the rest (scheduling, sampling, results).
 
 Results: bench/results/decode_step.json; summary in bench/README.md.
@@ -65,12 +67,15 @@ def panel_rows(value: str | None):
             os.environ[name] = before
 
 
-def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sampler: bool) -> dict:
+def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sampler: bool,
+                head_in_call: bool = True) -> dict:
     """One decode run of `batch` sequences: median step, forward and sampling times (ms) after a warm-up."""
+    import dataclasses
+
     from colorl.engines.base import GenerationRequest, SamplingParams
 
     forward, sample = [], []
-    model_forward, sampler = engine.model.forward, engine.sampler
+    model_forward, sampler, prepare = engine.model.forward, engine.sampler, engine.runner.prepare
 
     def timed_forward(*args, **kwargs):
         started = time.perf_counter()
@@ -86,7 +91,13 @@ def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sample
         finally:
             sample.append(time.perf_counter() - started)
 
+    def head_after_call(batch):  # the step's logits made after the layers' call, in Python
+        step, rows = prepare(batch)
+        return dataclasses.replace(step, every_token_samples=False), rows
+
     engine.model.forward, engine.sampler = timed_forward, timed_sampler
+    if not head_in_call:
+        engine.runner.prepare = head_after_call
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
         for i in range(batch):
@@ -98,7 +109,7 @@ def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sample
             engine.step()
             steps.append(time.perf_counter() - started)
     finally:
-        engine.model.forward, engine.sampler = model_forward, sampler
+        engine.model.forward, engine.sampler, engine.runner.prepare = model_forward, sampler, prepare
     skip = 3
     return {"step_ms": statistics.median(steps[skip:]) * 1e3, "forward_ms": statistics.median(forward[1 + skip:]) * 1e3,
             "sampling_ms": statistics.median(sample[1 + skip:]) * 1e3}
@@ -139,6 +150,9 @@ def main() -> None:
                 with panel_rows(value):
                     key = f"b{batch}_huge_{products}"
                     record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", True)
+            key = f"b{batch}_huge_head_in_python"
+            with panel_rows(None):
+                record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", True, head_in_call=False)
         rounds.append(record)
     place_weights(engine.model, True)
 
@@ -148,8 +162,9 @@ def main() -> None:
           f"{statistics.median(r['huge_sum_gb_s'] for r in rounds):.1f} GB/s, huge / heap "
           f"{statistics.median(r['huge_sum_gb_s'] / r['heap_sum_gb_s'] for r in rounds):.2f}x")
     print("| batch | step, heap pages | step, huge pages | heap / huge | sampling, torch | sampling, compiled | torch / compiled "
-          "| step, rows kernel | step, panels | rows kernel / panels | forward share of the step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| step, rows kernel | step, panels | rows kernel / panels | step, head in Python | head in Python / in the call "
+          "| forward share of the step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         heap, huge, torch_sampler = (f"b{batch}_heap_compiled_sampler", f"b{batch}_huge_compiled_sampler",
                                      f"b{batch}_huge_torch_sampler")
@@ -164,12 +179,16 @@ def main() -> None:
             "step_panels_ms": statistics.median(r[f"b{batch}_huge_panels"]["step_ms"] for r in rounds),
             "panels_speedup": statistics.median(r[f"b{batch}_huge_rows_kernel"]["step_ms"] / r[f"b{batch}_huge_panels"]["step_ms"]
                                                 for r in rounds),
+            "step_head_in_python_ms": statistics.median(r[f"b{batch}_huge_head_in_python"]["step_ms"] for r in rounds),
+            "head_in_call_speedup": statistics.median(r[f"b{batch}_huge_head_in_python"]["step_ms"] / r[huge]["step_ms"]
+                                                      for r in rounds),
             "forward_share": statistics.median(r[huge]["forward_ms"] / r[huge]["step_ms"] for r in rounds),
         }
         summary[batch] = row
         print(f"| {batch} | {row['step_heap_ms']:.1f} ms | {row['step_huge_ms']:.1f} ms | {row['pages_speedup']:.2f}x | "
               f"{row['sampling_torch_ms']:.2f} ms | {row['sampling_compiled_ms']:.2f} ms | {row['sampler_speedup']:.1f}x | "
               f"{row['step_rows_kernel_ms']:.1f} ms | {row['step_panels_ms']:.1f} ms | {row['panels_speedup']:.2f}x | "
+              f"{row['step_head_in_python_ms']:.1f} ms | {row['head_in_call_speedup']:.2f}x | "
               f"{100 * row['forward_share']:.0f} % |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
