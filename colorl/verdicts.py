@@ -116,17 +116,18 @@ def race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -
     return RaceResult({item: (t[0], t[1]) for item, t in best.items()}, load.cores())
 
 
-def stable_race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS) -> dict:
-    """The items the candidate wins in every pass (two, or three when the first two disagree), each pass's
-    seconds, and `busy` when other processes used the CPUs during any pass: the candidate then wins nothing,
-    the verdict is provisional, and no more of a busy machine's time is spent on it."""
+def stable_race(items: dict[Hashable, tuple[Product, Product]], rounds: int = ROUNDS, margin: float = MARGIN) -> dict:
+    """The items the candidate wins, by `margin`, in every pass (two, or three when the first two disagree), each
+    pass's seconds, and `busy` when other processes used the CPUs during any pass: the candidate then wins nothing,
+    the verdict is provisional, and no more of a busy machine's time is spent on it. The margin keeps a near tie
+    with the baseline, the safe default (torch's kernels); between two kernels neither of which is that, 0."""
     passes = [race(items, rounds)]
     if not _too_busy(passes[0].others_cores):
         passes.append(race(items, rounds))
-        if not _too_busy(passes[1].others_cores) and passes[0].won() != passes[1].won():
+        if not _too_busy(passes[1].others_cores) and passes[0].won(margin) != passes[1].won(margin):
             passes.append(race(items, rounds))
     busy = any(_too_busy(p.others_cores) for p in passes)
-    won: set[Hashable] = set() if busy else set.intersection(*(p.won() for p in passes))
+    won: set[Hashable] = set() if busy else set.intersection(*(p.won(margin) for p in passes))
     loads = [p.others_cores for p in passes if p.others_cores is not None]
     return {"won": sorted(won, key=str), "busy": busy, "others_cores": round(max(loads), 2) if loads else None,
             "seconds": {str(item): [[round(s, 7) for s in p.seconds[item]] for p in passes] for item in items}}

@@ -347,7 +347,7 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
         raced.append((dtype, torch.get_num_threads()))
         return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {},
                 "panel_rows": [8] if dtype == torch.float32 else [], "loops": {},
-                "ties_to_loops_up_to": cpu_decode.MAX_ROWS}
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -394,7 +394,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         raced.append(dtype)
         seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
         return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": [], "loops": {},
-                "ties_to_loops_up_to": cpu_decode.MAX_ROWS}
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_MIN_BYTES", 1)  # the tiny model's weights count as a stream from memory
@@ -474,10 +474,11 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     above, the loops must."""
     from colorl import verdicts
 
-    calls, races = [], []
+    calls, races, margins = [], [], []
 
-    def stable_race(items, rounds):
+    def stable_race(items, rounds, margin=verdicts.MARGIN):
         races.append(set(items))
+        margins.append(margin)
         # the first race: the panels win 3 and 5 rows; the second: each candidate wins, or none does (ties)
         won = {3, 5} if len(races) == 1 else set(items) if other_wins else set()
         calls.append({})
@@ -495,6 +496,7 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     verdict = cpu_decode.race_rows(compiled, torch.float32)
     few, many = set(range(1, cpu_decode.MAX_ROWS + 1)), set(cpu_decode.PANEL_RACE_ROWS)
     assert races[0] == few and verdict["panel_rows"] == [3, 5]
+    assert margins == [0.0, verdicts.MARGIN]  # two of the loops: the faster wins; against oneDNN, only clearly
     candidates = calls[1]  # the loops are the candidate above MAX_ROWS only
     assert {rows for rows, loops in candidates.items() if loops == {"panel_linear"}} == many
     assert {rows for rows, loops in candidates.items() if not loops} == few
@@ -504,9 +506,11 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     assert verdict["loops"] == {str(rows): "panels" if rows in {3, 5} | many else "rows kernel" for rows in few | many}
 
 
-@pytest.mark.parametrize("kept", [{"panel_rows": []}, {"panel_rows": [], "loops": {}}])
+@pytest.mark.parametrize("kept", [{"panel_rows": []}, {"panel_rows": [], "loops": {}},
+                                  {"panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8}])
 def test_a_rows_verdict_raced_by_older_rules_is_raced_again(compiled, tmp_path, monkeypatch, kept):
-    """Older verdicts: before the loop each row count races was named, and before a tie went to the loops."""
+    """Older verdicts: before the loop each row count races was named, before a tie went to the loops, and
+    before the panels and the rows kernel raced by any margin."""
     from colorl.machine import machine_key
 
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
@@ -516,7 +520,8 @@ def test_a_rows_verdict_raced_by_older_rules_is_raced_again(compiled, tmp_path, 
     old = {"won": [1], "busy": False, "seconds": {}, "measured": "2026-11-26 10:00:00", **kept}
     (tmp_path / "kernels.json").write_text(json.dumps({key: old}))
     monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: {
-        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8})
+        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8,
+        "panel_margin": 0.0})
     assert library.rows_won(torch.float32) == {1, 2}
 
 
