@@ -28,7 +28,7 @@ ROWS = (1, 2, 4, 8)
 def main() -> int:
     from colorl.engines.native import cpu_decode
     from colorl.kernels import PackedLinears
-    from colorl.machine import cpu_identity, last_level_cache_bytes
+    from colorl.machine import cpu_summary, last_level_cache_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -43,12 +43,11 @@ def main() -> int:
         print(f"the compiled loops are not available here: {cpu_decode.why_not()}")
         return 1
     cache = last_level_cache_bytes()
-    cpu = cpu_identity().model
+    cpu = cpu_summary()
     print(f"{cpu}, last-level cache {cache and cache // 2**20} MiB, {args.threads} threads, {args.dtype}")
     rows_out = []
     for size in dict.fromkeys((cpu_decode.RACE_MIN_BYTES, cpu_decode.race_bytes())):
-        count = size // cpu_decode.RACE_MATRIX_BYTES * 4 // dtype.itemsize
-        weights = [torch.randn(3072, 576).to(dtype) for _ in range(count)]
+        weights = [torch.randn(3072, 576).to(dtype) for _ in range(cpu_decode.race_matrices(dtype, size))]
         packed = PackedLinears()
         packed.repack(weights)
         panels = [lib.pack_panels(w) for w in weights]

@@ -102,6 +102,8 @@ def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") ->
                 sizes[int(level)] = size
     if sizes:
         return sizes[max(sizes)]
+    if platform.system() != "Darwin":
+        return None
     for line in _sysctl("hw.l3cachesize", "hw.perflevel0.l2cachesize", "hw.l2cachesize"):
         size = _cache_size(line.split(":", 1)[-1]) if ":" in line else None
         if size:

@@ -53,6 +53,12 @@ def race_bytes() -> int:
     wanted = min(max(RACE_MIN_BYTES, 2 * (last_level_cache_bytes() or 0)), RACE_MAX_BYTES)
     return -(-wanted // RACE_MATRIX_BYTES) * RACE_MATRIX_BYTES
 
+
+def race_matrices(dtype: torch.dtype, size: int | None = None) -> int:
+    """How many [3072, 576] `dtype` matrices hold `size` bytes' worth of the float32 ones (`race_bytes()`): the
+    same bytes in either dtype."""
+    return (size or race_bytes()) // RACE_MATRIX_BYTES * 4 // dtype.itemsize
+
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -245,7 +251,6 @@ class CpuDecode:
         """No product of `dtype` needs oneDNN's packed copies here: the loops won every row count."""
         return set(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS} <= self.rows_won(dtype)
 
-    @functools.cache
     @functools.cache  # asked several times a decode step; the verdict a process computes with does not change
     def _raced_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
         return between_raced(frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["won"]))
@@ -487,8 +492,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     from colorl.verdicts import stable_race
 
     gen = torch.Generator().manual_seed(0)
-    matrices = race_bytes() // RACE_MATRIX_BYTES * 4 // dtype.itemsize  # the same bytes in either dtype
-    weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(matrices)]
+    weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(race_matrices(dtype))]
     packed = PackedLinears()
     packed.repack(weights)
     panels = [compiled.pack_panels(w) for w in weights]

@@ -375,13 +375,14 @@ int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, in
  * read, made bf16 attention 1.5x slower than float32 for half the bytes. With fewer sequences than
  * threads (a batch-1 step) each task takes a share of the KV heads instead, widening only theirs, so
  * that no thread waits through the whole attention. */
-#if STAGE_KV
+/* count values of ELEM as float32 (bf16 attention's staging, the logits). */
 static void NAMED(widen)(const ELEM *from, float *to, int64_t count) {
     int64_t i = 0;
     for (; i + 8 <= count; i += 8) store8(to + i, LOAD8(from + i));
     for (; i < count; i++) to[i] = LOAD1(from + i);
 }
 
+#if STAGE_KV
 /* KV heads [h0, h1) of one sequence: the outputs of their query heads. */
 static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
                                   int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t h0,
@@ -521,11 +522,7 @@ int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
     if ((code = NAMED(product)(h, head->w, head->p, NULL, y, T, V, C, s->threads))) return code;
     if ((void *)y != (void *)logits) {
 #pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T > 1)
-        for (int64_t t = 0; t < T; t++) {
-            int64_t i = t * V, end = i + V;
-            for (; i + 8 <= end; i += 8) store8(logits + i, LOAD8(y + i));
-            for (; i < end; i++) logits[i] = LOAD1(y + i);
-        }
+        for (int64_t t = 0; t < T; t++) NAMED(widen)(y + t * V, logits + t * V, V);
     }
     return 0;
 }

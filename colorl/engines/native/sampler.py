@@ -54,12 +54,12 @@ class Sampler:
         logits = logits.float()
         # Rows with top-k/top-p walk their CDF in sorted order, the others in vocabulary order;
         # each row's order depends only on its own params, never on its neighbours'.
-        greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
         plain = [i for i, r in enumerate(rows) if r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0]
-        filtered = [i for i, r in enumerate(rows) if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)]
         if len(plain) == len(rows):  # a rollout's usual step: no row to pick out or put back
             chosen, logp = self._sample(logits, rows, False, compiled)
             return chosen.tolist(), logp.tolist()
+        greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
+        filtered = [i for i, r in enumerate(rows) if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)]
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         logps = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         if greedy:
