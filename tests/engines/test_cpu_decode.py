@@ -545,23 +545,24 @@ def test_an_engine_whose_loops_take_every_row_count_makes_no_onednn_copies(compi
 
 
 def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled, tiny_model_dir, monkeypatch):
-    """Steps of 9..12 one-token decodes run each layer in one call over the matrices' panels, bit-identical
-    to the per-operation path over the same panels; the panels are made again after a weight load."""
-    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 13)))
+    """Steps of 9..18 one-token decodes run each layer in one call over the matrices' panels, bit-identical
+    to the per-operation path over the same panels (from 16 rows on, the call splits the norms' and the SiLU's
+    rows among its threads); the panels are made again after a weight load."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, 19)))
     calls = []
     whole_layers = cpu_decode.CpuDecode.decode_layers
     monkeypatch.setattr(cpu_decode.CpuDecode, "decode_layers",
                         lambda self, x, *rest: calls.append(x.shape[0]) or whole_layers(self, x, *rest))
-    prompts = [list(range(10, 10 + n)) for n in range(3, 15)]  # 12 sequences
+    prompts = [list(range(10, 10 + n)) for n in range(3, 21)]  # 18 sequences
     outputs = []
     for per_operation in (False, True):
         compiled.seconds = {} if per_operation else None
-        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=128, block_size=4, max_prefill_tokens=256))
-        params = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, ignore_eos=True, seed=i) for i in range(12)]
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=256, block_size=4, max_prefill_tokens=512))
+        params = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, ignore_eos=True, seed=i) for i in range(18)]
         outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
         compiled.seconds = None
         if not per_operation:
-            assert {9, 10, 11, 12} <= set(calls)
+            assert set(range(9, 19)) <= set(calls)
             assert eng.model.linears.panels._panels  # made on first use
             eng.model.load_hf_weights(eng.model.hf_weights().items())
             assert not eng.model.linears.panels._panels  # a new weight version drops them
