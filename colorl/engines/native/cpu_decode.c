@@ -65,6 +65,26 @@ static inline v8 exp8(v8 x) {
     return select8(under, zero, p * scale);
 }
 
+/* Two-source shuffles of 8 lanes (indices 0-7: a's lanes, 8-15: b's); GCC before 12 has only __builtin_shuffle. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (vi8){__VA_ARGS__})
+#endif
+
+/* Pairwise sums within each 128-bit half, as x86's vhaddps: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, ...]. */
+static inline v8 pair_sums8(v8 a, v8 b) {
+    return SHUFFLE8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE8(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* The eight sums of eight vectors' lanes, as one vector: [sum(a[0]), ..., sum(a[7])]. Three levels of
+ * pairwise sums and one swap of halves, where eight horizontal sums take a shuffle chain each. */
+static inline v8 sums8x8(const v8 a[8]) {
+    v8 lo = pair_sums8(pair_sums8(a[0], a[1]), pair_sums8(a[2], a[3])); /* a0..a3: low halves' sums | high halves' */
+    v8 hi = pair_sums8(pair_sums8(a[4], a[5]), pair_sums8(a[6], a[7]));
+    return SHUFFLE8(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t k = 0;
@@ -319,16 +339,41 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
     float *oh = out + kvh * group * D;
     float *scores = malloc(sizeof(float) * group * length);
     if (!scores) return COLORL_NO_MEMORY;
-    for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
-        const float *k = cache + table[b] * block_size * stride + kvh * D;
-        int64_t last = first + block_size < length ? first + block_size : length;
-        for (int64_t p = first; p < last; p++, k += stride)
-            for (int64_t g = 0; g < group; g++) scores[g * length + p] = dot(qh + g * D, k, D) * scale;
+    /* Eight positions at a time: each query head's eight dot products summed across lanes together
+     * (sums8x8), its q held in registers over them; the last few positions one by one. */
+    int64_t pos = 0;
+    for (; D % 8 == 0 && pos + 8 <= length; pos += 8) {
+        const float *k[8];
+        for (int j = 0; j < 8; j++)
+            k[j] = cache + (table[(pos + j) / block_size] * block_size + (pos + j) % block_size) * stride + kvh * D;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qh + g * D;
+            v8 partial[8];
+            for (int j = 0; j < 8; j++) {
+                v8 sum = load8(qg) * load8(k[j]);
+                for (int64_t d = 8; d < D; d += 8) sum += load8(qg + d) * load8(k[j] + d);
+                partial[j] = sum;
+            }
+            store8(scores + g * length + pos, sums8x8(partial) * scale);
+        }
+    }
+    for (; pos < length; pos++) {
+        const float *k = cache + (table[pos / block_size] * block_size + pos % block_size) * stride + kvh * D;
+        for (int64_t g = 0; g < group; g++) scores[g * length + pos] = dot(qh + g * D, k, D) * scale;
     }
     for (int64_t g = 0; g < group; g++) {
         float *row = scores + g * length, top = row[0], total = 0.0f;
-        for (int64_t p = 1; p < length; p++) top = row[p] > top ? row[p] : top;
         int64_t p = 0;
+        if (length >= 8) { /* the max in 8 lanes (exact in any order), then across them */
+            v8 tops8 = load8(row);
+            for (p = 8; p + 8 <= length; p += 8) {
+                v8 v = load8(row + p);
+                tops8 = select8(v > tops8, v, tops8);
+            }
+            for (int i = 0; i < 8; i++) top = tops8[i] > top ? tops8[i] : top;
+        }
+        for (; p < length; p++) top = row[p] > top ? row[p] : top;
+        p = 0;
         v8 sums = {0}, tops = top - (v8){0};
         for (; p + 8 <= length; p += 8) {
             v8 e = exp8(load8(row + p) - tops);
