@@ -65,6 +65,22 @@ static inline v8 exp8(v8 x) {
     return select8(under, zero, p * scale);
 }
 
+/* The largest of x[0..n) (n >= 1): eight lanes at a time, then across them; exact in any order. */
+static inline float max_of(const float *x, int64_t n) {
+    float top = x[0];
+    int64_t i = 0;
+    if (n >= 8) {
+        v8 tops = load8(x);
+        for (i = 8; i + 8 <= n; i += 8) {
+            v8 next = load8(x + i);
+            tops = select8(next > tops, next, tops);
+        }
+        for (int lane = 0; lane < 8; lane++) top = tops[lane] > top ? tops[lane] : top;
+    }
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
+
 /* Two-source shuffles of 8 lanes (indices 0-7: a's lanes, 8-15: b's); GCC before 12 has only __builtin_shuffle. */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -362,18 +378,8 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
         for (int64_t g = 0; g < group; g++) scores[g * length + pos] = dot(qh + g * D, k, D) * scale;
     }
     for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * length, top = row[0], total = 0.0f;
+        float *row = scores + g * length, top = max_of(row, length), total = 0.0f;
         int64_t p = 0;
-        if (length >= 8) { /* the max in 8 lanes (exact in any order), then across them */
-            v8 tops8 = load8(row);
-            for (p = 8; p + 8 <= length; p += 8) {
-                v8 v = load8(row + p);
-                tops8 = select8(v > tops8, v, tops8);
-            }
-            for (int i = 0; i < 8; i++) top = tops8[i] > top ? tops8[i] : top;
-        }
-        for (; p < length; p++) top = row[p] > top ? row[p] : top;
-        p = 0;
         v8 sums = {0}, tops = top - (v8){0};
         for (; p + 8 <= length; p += 8) {
             v8 e = exp8(load8(row + p) - tops);
@@ -467,17 +473,8 @@ static float *thread_scratch(int64_t n) { /* NULL when memory runs out */
 #define SAMPLE_CHUNK 256
 
 static int64_t sample_row(const float *z, int64_t V, double u, float *weights, float *logp) {
-    float top = z[0];
-    int64_t v = 0;
-    if (V >= 8) { /* NaN logits are the caller's to refuse (the engine's numerics checks) */
-        v8 tops = load8(z);
-        for (v = 8; v + 8 <= V; v += 8) {
-            v8 next = load8(z + v);
-            tops = select8(next > tops, next, tops);
-        }
-        for (int i = 0; i < 8; i++) top = tops[i] > top ? tops[i] : top;
-    }
-    for (; v < V; v++) top = z[v] > top ? z[v] : top;
+    float top = max_of(z, V); /* NaN logits are the caller's to refuse (the engine's numerics checks) */
+    int64_t v;
     double total = 0.0;
     int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     double *running = (double *)(weights + V + (-V & 1)); /* after the weights, 8-byte aligned */
