@@ -475,6 +475,11 @@ static void NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM
     for (int64_t t = 0; t < T; t++) NAMED(colorl_add_rms_norm)(x + t * C, add ? add + t * C : NULL, weight, out + t * C, 1, C, eps);
 }
 
+static void NAMED(split_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T >= SPLIT_ROWS)
+    for (int64_t t = 0; t < T; t++) NAMED(colorl_silu_mul)(gate_up + t * 2 * I, out + t * I, 1, I);
+}
+
 int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
@@ -494,8 +499,7 @@ int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scra
     NAMED(split_norm)(x, o, l->post_norm, h, T, C, s->eps, s->threads);
     if ((code = NAMED(product)(h, l->w_gate_up, l->p_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads)))
         return code;
-#pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T >= SPLIT_ROWS)
-    for (int64_t t = 0; t < T; t++) NAMED(colorl_silu_mul)(gate_up + t * 2 * I, act + t * I, 1, I);
+    NAMED(split_silu_mul)(gate_up, act, T, I, s->threads);
     return NAMED(product)(act, l->w_down, l->p_down, l->b_down, out, T, C, I, s->threads);
 }
 
