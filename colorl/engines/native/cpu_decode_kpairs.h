@@ -38,15 +38,15 @@ static void kpairs_pack_bf16(const uint16_t *w, uint16_t *panels, int64_t N, int
     }
 }
 
-/* x's rows b0.. (`rows` of them, zeros past B) as k-pairs, k-pair-major: [K2][rows] 32-bit words. */
-static void kpairs_of_x(const uint16_t *x, uint32_t *xp, int64_t B, int64_t K, int64_t b0, int64_t rows) {
-    int64_t K2 = (K + 1) / 2;
-    for (int64_t j = 0; j < K2; j++)
-        for (int64_t i = 0; i < rows; i++) {
-            int64_t b = b0 + i;
-            uint32_t lo = b < B ? x[b * K + 2 * j] : 0, hi = b < B && 2 * j + 1 < K ? x[b * K + 2 * j + 1] : 0;
-            xp[j * rows + i] = lo | hi << 16;
-        }
+/* k-pair j of x's rows b0.. (`rows` of them, zeros past B) into a tile laid out k-pair-major: [K2][rows] 32-bit
+ * words. */
+static inline void kpairs_of_x(const uint16_t *x, uint32_t *xp, int64_t B, int64_t K, int64_t b0, int64_t rows,
+                               int64_t j) {
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t b = b0 + i;
+        uint32_t lo = b < B ? x[b * K + 2 * j] : 0, hi = b < B && 2 * j + 1 < K ? x[b * K + 2 * j + 1] : 0;
+        xp[j * rows + i] = lo | hi << 16;
+    }
 }
 
 /* One pair of panels (wp) against R <= KPAIR_TILE rows of x's k-pairs (xt [K2][R]): the pair's 16 sums per
@@ -85,10 +85,13 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
     for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) packed += KPAIR_ROWS(B, B - b0);
     uint32_t *xp = malloc(sizeof(uint32_t) * packed * K2); /* tile by tile from row b0: [K2, R] */
     if (!xp) return COLORL_NO_MEMORY;
-    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0));
     int team = threads > 1 && pairs >= (B <= 8 ? 8 : 2) * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
+#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
+        for (int64_t j = 0; j < K2; j++)
+            for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0))
+                kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0), j);
         int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
         int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
         for (int64_t q = q0; q < q1; q++) {
@@ -166,17 +169,18 @@ static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint
     int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
     uint16_t *xa = aligned_alloc(64, (size_t)RB * K32 * 512 * sizeof(uint16_t));
     if (!xa) return COLORL_NO_MEMORY;
-    for (int64_t rb = 0; rb < RB; rb++)
-        for (int64_t kb = 0; kb < K32; kb++)
-            for (int64_t r = 0; r < 16; r++) {
-                uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
-                int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
-                if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
-                if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
-            }
     int failed = 0, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
+#pragma omp for collapse(2) schedule(static) /* the threads lay out x together, then each waits for the whole */
+        for (int64_t rb = 0; rb < RB; rb++)
+            for (int64_t kb = 0; kb < K32; kb++)
+                for (int64_t r = 0; r < 16; r++) {
+                    uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
+                    int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
+                    if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
+                    if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
+                }
         uint16_t *tail = aligned_alloc(64, 512 * sizeof(uint16_t)); /* a partial last weight tile, zero-padded */
         float *sums = aligned_alloc(64, AMX_BLOCKS * 256 * sizeof(float));
         if (!tail || !sums) {

@@ -89,6 +89,7 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. */
 #define PANEL 8
 #define PANEL_AHEAD 2048
+#define LINE_KS (64 / (PANEL * (int)sizeof(ELEM))) /* the k's of a panel in one 64-byte line */
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
 #if KPAIR_PANELS
@@ -130,9 +131,11 @@ static inline v8 NAMED(half_of)(v16 sums, int v) {
 }
 
 /* R rows of x (xt [K, R]) against a pair of panels; R is a constant where it is inlined, so the sums stay in
- * registers. */
+ * registers. fetch: ask for this pair's next lines ahead (the tile that streams it); next: the following pair's
+ * panels, asked for into L2 a line at a time as this tile reads the pair from cache (NULL: none). */
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int R, int fetch, v8 c[TILE][2]) {
+                                                                   int64_t K, int R, int fetch, const ELEM *next,
+                                                                   v8 c[TILE][2]) {
     v16 s[TILE];
 #pragma GCC unroll 16
     for (int i = 0; i < R; i++) s[i] = (v16){0};
@@ -141,6 +144,10 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
         if (fetch) {
             __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
             __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
+        }
+        if (next && k % LINE_KS == 0) {
+            __builtin_prefetch(next + k * PANEL, 0, 2);
+            __builtin_prefetch(next + (K + k) * PANEL, 0, 2);
         }
         v16 w = NAMED(pair_at)(ka, kb);
         const float *xk = xt + k * R;
@@ -157,7 +164,8 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
 #define TILE_ROWS(left) TILE
 
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int R, int fetch, v8 c[TILE][2]) {
+                                                                   int64_t K, int R, int fetch, const ELEM *next,
+                                                                   v8 c[TILE][2]) {
     (void)R; /* always TILE */
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
@@ -166,6 +174,10 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
         if (fetch) {
             __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
             __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
+        }
+        if (next && k % LINE_KS == 0) {
+            __builtin_prefetch(next + k * PANEL, 0, 2);
+            __builtin_prefetch(next + (K + k) * PANEL, 0, 2);
         }
         v8 w0 = LOAD8(ka), w1 = LOAD8(kb);
         const float *xk = xt + k * TILE;
@@ -310,13 +322,14 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
     for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) packed += TILE_ROWS(B - b0);
     float *xp = malloc(sizeof(float) * packed * K); /* tile by tile from row b0: [K, R], zeros past B */
     if (!xp) return COLORL_NO_MEMORY;
-    for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0))
-        for (int64_t k = 0, R = TILE_ROWS(B - b0); k < K; k++)
-            for (int64_t i = 0; i < R; i++)
-                xp[b0 * K + k * R + i] = b0 + i < B ? LOAD1(x + (b0 + i) * K + k) : 0.0f;
     int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
+#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0))
+                for (int64_t i = 0, R = TILE_ROWS(B - b0); i < R; i++)
+                    xp[b0 * K + k * R + i] = b0 + i < B ? LOAD1(x + (b0 + i) * K + k) : 0.0f;
         int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
         int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
         for (int64_t q = q0; q < q1; q++) {
@@ -324,13 +337,17 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
             int64_t n0 = 2 * q * PANEL, widths[2];
             float bv[2][PANEL];
             NAMED(pair_bias)(bias, N, n0, widths, bv);
+            /* The first tile streams the pair, asking for it ahead; the second reads it from cache, and meanwhile asks for
+             * the next pair (into L2), which the memory would otherwise idle through. */
+            const ELEM *next = q + 1 < q1 ? wb + K * PANEL : NULL;
             for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) {
-                int R = TILE_ROWS(B - b0), first = b0 == 0; /* the first tile streams the pair, ahead */
+                int R = TILE_ROWS(B - b0), first = b0 == 0;
+                const ELEM *ask = b0 == TILE_ROWS(B) ? next : NULL;
                 v8 c[TILE][2];
                 if (R == TILE)
-                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 1, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 0, c);
+                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 1, NULL, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 0, ask, c);
                 else
-                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 1, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 0, c);
+                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 1, NULL, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 0, ask, c);
                 for (int64_t i = 0; i < R && b0 + i < B; i++)
                     for (int v = 0; v < 2; v++)
                         if (widths[v]) NAMED(store_sums)(y + (b0 + i) * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
@@ -346,24 +363,28 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
  * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
  * ([slots, 2, Hkv, D]). */
+/* Token t's rotation and K/V write. */
+static inline void NAMED(rope_write_row)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                                         const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
+    int64_t width = (H + 2 * Hkv) * D, half = D / 2;
+    ELEM *row = qkv + t * width;
+    const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+        ELEM *v = row + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            float a = LOAD1(v + i), b = LOAD1(v + i + half);
+            STORE1(v + i, a * ROUND1(c[i]) - b * ROUND1(s[i]));
+            STORE1(v + i + half, b * ROUND1(c[i + half]) + a * ROUND1(s[i + half]));
+        }
+    }
+    memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(ELEM));
+}
+
 int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
                                 const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache,
                                 int64_t num_slots, int64_t num_positions) {
     if (check_writes(slots, positions, T, num_slots, num_positions)) return COLORL_OUT_OF_RANGE;
-    int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        ELEM *row = qkv + t * width;
-        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            ELEM *v = row + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                float a = LOAD1(v + i), b = LOAD1(v + i + half);
-                STORE1(v + i, a * ROUND1(c[i]) - b * ROUND1(s[i]));
-                STORE1(v + i + half, b * ROUND1(c[i + half]) + a * ROUND1(s[i + half]));
-            }
-        }
-        memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(ELEM));
-    }
+    for (int64_t t = 0; t < T; t++) NAMED(rope_write_row)(qkv, t, H, Hkv, D, cos, sin, positions, slots, cache);
     return 0;
 }
 
@@ -464,10 +485,10 @@ static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, cons
     return NAMED(colorl_panels)(x, panels, bias, y, T, N, K, threads);
 }
 
-/* The norms and the SiLU work row by row; from SPLIT_ROWS rows on, the layer splits the rows among its threads,
- * which otherwise wait at the next product while one thread runs them (at 32 rows of bf16 on the AMX Xeon, 13 %
- * of a step's time: bench/README.md, "Where a batch of 32 spends its step"). Each row's loop is the one the
- * per-operation path runs, so the bits are the same. */
+/* The norms, the SiLU and RoPE with the K/V write work row by row; from SPLIT_ROWS rows on, the layer splits the
+ * rows among its threads, which otherwise wait at the next product while one thread runs them (at 32 rows of bf16
+ * on the AMX Xeon, 13 % of a step's time: bench/README.md, "Where a batch of 32 spends its step"). Each row's loop
+ * is the one the per-operation path runs, so the bits are the same. */
 #define SPLIT_ROWS 16
 static void NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM *out, int64_t T, int64_t C, float eps,
                               int threads) {
@@ -480,6 +501,16 @@ static void NAMED(split_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int
     for (int64_t t = 0; t < T; t++) NAMED(colorl_silu_mul)(gate_up + t * 2 * I, out + t * I, 1, I);
 }
 
+/* colorl_rope_write_kv's rows, split as above. */
+static int NAMED(split_rope_write_kv)(ELEM *qkv, const decode_step_t *s, ELEM *cache) {
+    int64_t T = s->tokens;
+    if (check_writes(s->slots, s->positions, T, s->num_slots, s->num_positions)) return COLORL_OUT_OF_RANGE;
+#pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T >= SPLIT_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        NAMED(rope_write_row)(qkv, t, s->heads, s->kv_heads, s->head_dim, s->cos, s->sin, s->positions, s->slots, cache);
+    return 0;
+}
+
 int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
@@ -489,9 +520,7 @@ int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scra
     int code;
     NAMED(split_norm)(x, delta, l->input_norm, h, T, C, s->eps, s->threads);
     if ((code = NAMED(product)(h, l->w_qkv, l->p_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
-    if ((code = NAMED(colorl_rope_write_kv)(qkv, T, H, Hkv, D, s->cos, s->sin, s->positions, s->slots, l->cache,
-                                            s->num_slots, s->num_positions)))
-        return code;
+    if ((code = NAMED(split_rope_write_kv)(qkv, s, l->cache))) return code;
     if ((code = NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
                                            s->block_size, s->scale, s->threads, s->num_slots)))
         return code;
@@ -534,7 +563,7 @@ int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
     int64_t T = s->tokens, C = s->hidden, V = head->vocab, H = s->heads, D = s->head_dim;
     ELEM *h = scratch + T * (4 * C + (H + 2 * s->kv_heads) * D + H * D + 3 * s->intermediate);
     ELEM *y = sizeof(ELEM) == sizeof(float) ? (ELEM *)logits : h + T * C; /* float32: the head writes the logits */
-    NAMED(colorl_add_rms_norm)(x, out, head->norm, h, T, C, s->eps);
+    NAMED(split_norm)(x, out, head->norm, h, T, C, s->eps, s->threads);
     if ((code = NAMED(product)(h, head->w, head->p, NULL, y, T, V, C, s->threads))) return code;
     if ((void *)y != (void *)logits) {
 #pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T > 1)
