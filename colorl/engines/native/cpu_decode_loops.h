@@ -362,8 +362,8 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
  * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
  * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
- * ([slots, 2, Hkv, D]). */
-/* Token t's rotation and K/V write. */
+ * ([slots, 2, Hkv, D]). rope_write_row does one token's row; the whole-layer call splits the rows among its
+ * threads (split_rope_write_kv), this entry runs them in turn. Both check every slot and position first. */
 static inline void NAMED(rope_write_row)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
                                          const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
     int64_t width = (H + 2 * Hkv) * D, half = D / 2;
