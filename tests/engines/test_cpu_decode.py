@@ -159,6 +159,23 @@ def test_silu_mul(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_silu_mul_gives_the_same_bits_in_every_lane_width(compiled, dtype):
+    """The SiLU's 16-lane loop (outputs 0-15 of a row of 24) and its 8-lane loop (16-23) take the same steps per
+    lane: the same inputs in both give the same bits, over the whole range of e^x and its edges (NaN, infinities,
+    below -87, above 88, subnormals)."""
+    gen = torch.Generator().manual_seed(1)
+    values = torch.cat((torch.randn(400, generator=gen) * 30, torch.randn(400, generator=gen),
+                        torch.tensor([float("nan"), float("inf"), -float("inf"), -87.5, -87.0, -86.9, 88.0, 88.5,
+                                      1e-40, -1e-40, 0.0, -0.0, 1e-3, -1e-3, 20.0, -20.0])))
+    values = values[:len(values) // 8 * 8].view(-1, 8)  # rows of 8 inputs
+    gate = torch.cat((values, torch.randn(len(values), 8, generator=gen), values), dim=1)  # [rows, 24]
+    up = torch.cat((values.flip(0), torch.ones(len(values), 8), values.flip(0)), dim=1)
+    out = compiled.silu_mul(torch.cat((gate, up), dim=1).to(dtype))
+    assert torch.equal(out[:, :8].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       out[:, 16:].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 def test_rope_and_kv_write_equal_rotate_half_and_index_copy(compiled, dtype):
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, tokens = 4, 2, 16, 6

@@ -17,15 +17,24 @@
 #define COLORL_NO_MEMORY (-2)
 #define COLORL_OUT_OF_RANGE (-3)
 
+/* Eight lanes of float32, and sixteen: one AVX-512 register, or two AVX2 ones (the compiler splits the vector).
+ * The element-wise loops (the SiLU, the softmax's and the sampler's e^x) run on sixteen: on AVX-512 half the
+ * instructions per value, and each lane's value is the 8-lane loop's (the same steps per lane;
+ * tests/engines/test_cpu_decode.py). */
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+#define DEFINE_LOAD_STORE(N)                                                                                      \
+    static inline v##N load##N(const float *p) {                                                                  \
+        v##N v;                                                                                                   \
+        memcpy(&v, p, sizeof v);                                                                                  \
+        return v;                                                                                                 \
+    }                                                                                                             \
+    static inline void store##N(float *p, v##N v) { memcpy(p, &v, sizeof v); }
+DEFINE_LOAD_STORE(8)
+DEFINE_LOAD_STORE(16)
 
 #define BROADCAST8(s) ((v8){(s), (s), (s), (s), (s), (s), (s), (s)}) /* one vbroadcastss from memory */
 
@@ -33,49 +42,65 @@ static inline float hsum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+static inline void halves16(v16 v, v8 *lo, v8 *hi) {
+    memcpy(lo, &v, sizeof *lo);
+    memcpy(hi, (const char *)&v + sizeof *lo, sizeof *hi);
+}
+
+/* a where mask, else b, lane by lane, for float32 vectors VF whose int32 lanes are VI (vector casts keep the bits). */
+#define SELECT(VF, VI, mask, a, b) ((VF)(((VI)(a) & (mask)) | ((VI)(b) & ~(mask))))
+
+/* e^x over the lanes of VF: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
  * (relative error below 2e-7 over the range, about float32 rounding), 2^n through the exponent
  * bits. Inputs below -87 give 0, as expf's result would underflow there anyway. */
-typedef int32_t vi8 __attribute__((vector_size(32)));
+#define DEFINE_EXP(name, VF, VI)                                                                                  \
+    static inline VF name(VF x) {                                                                                 \
+        const VF zero = {0}, lo = zero - 87.0f, hi = zero + 88.0f;                                               \
+        VI under = x < lo;                                                                                        \
+        x = SELECT(VF, VI, under, lo, x);                                                                         \
+        x = SELECT(VF, VI, x > hi, hi, x);                                                                        \
+        VF t = x * 1.44269504088896341f + 0.5f;                                                                   \
+        VI n = __builtin_convertvector(t, VI); /* truncates: floor for t >= 0 */                                  \
+        n += __builtin_convertvector(n, VF) > t; /* true is -1: floor below 0 too */                              \
+        VF nf = __builtin_convertvector(n, VF);                                                                   \
+        VF r = x - nf * 0.693359375f + nf * 2.12194440e-4f; /* ln2 split in two for an exact product */           \
+        VF p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720)))))); \
+        return SELECT(VF, VI, under, zero, p * (VF)((n + 127) << 23));                                           \
+    }
+DEFINE_EXP(exp8, v8, vi8)
+DEFINE_EXP(exp16, v16, vi16)
 
-static inline v8 select8(vi8 mask, v8 a, v8 b) { /* a where mask, else b */
-    vi8 ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    vi8 bits = (ai & mask) | (bi & ~mask);
-    v8 out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
+/* to[i] = e^(from[i] - top) for i below n rounded down to 8, and their sums in 8 lanes (lane j: every i = j mod 8,
+ * in order). The 16-lane loop adds its two halves in turn, so that the sums' bits do not depend on the width. */
+static inline v8 exp_shifted(const float *from, float *to, int64_t n, float top) {
+    v8 sums = {0}, lo, hi;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 e = exp16(load16(from + i) - (top - (v16){0}));
+        store16(to + i, e);
+        halves16(e, &lo, &hi);
+        sums += lo;
+        sums += hi;
+    }
+    for (; i + 8 <= n; i += 8) {
+        v8 e = exp8(load8(from + i) - (top - (v8){0}));
+        store8(to + i, e);
+        sums += e;
+    }
+    return sums;
 }
 
-static inline v8 exp8(v8 x) {
-    const v8 zero = {0}, lo = zero - 87.0f, hi = zero + 88.0f;
-    vi8 under = x < lo;
-    x = select8(under, lo, x);
-    x = select8(x > hi, hi, x);
-    v8 t = x * 1.44269504088896341f + 0.5f;
-    vi8 n = __builtin_convertvector(t, vi8);  /* truncates: floor for t >= 0 */
-    n += __builtin_convertvector(n, v8) > t;  /* true is -1: floor below 0 too */
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f; /* ln2 split in two for an exact product */
-    v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    vi8 bits = (n + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return select8(under, zero, p * scale);
-}
-
-/* The largest of x[0..n) (n >= 1): eight lanes at a time, then across them; exact in any order. */
+/* The largest of x[0..n) (n >= 1): sixteen lanes at a time, then across them; exact in any order. */
 static inline float max_of(const float *x, int64_t n) {
     float top = x[0];
     int64_t i = 0;
-    if (n >= 8) {
-        v8 tops = load8(x);
-        for (i = 8; i + 8 <= n; i += 8) {
-            v8 next = load8(x + i);
-            tops = select8(next > tops, next, tops);
+    if (n >= 16) {
+        v16 tops = top - (v16){0};
+        for (; i + 16 <= n; i += 16) {
+            v16 next = load16(x + i);
+            tops = SELECT(v16, vi16, next > tops, next, tops);
         }
-        for (int lane = 0; lane < 8; lane++) top = tops[lane] > top ? tops[lane] : top;
+        for (int lane = 0; lane < 16; lane++) top = tops[lane] > top ? tops[lane] : top;
     }
     for (; i < n; i++) top = x[i] > top ? x[i] : top;
     return top;
@@ -214,6 +239,8 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
 
 typedef uint32_t vu8 __attribute__((vector_size(32)));
 typedef uint16_t vh8 __attribute__((vector_size(16)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -378,15 +405,8 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
         for (int64_t g = 0; g < group; g++) scores[g * length + pos] = dot(qh + g * D, k, D) * scale;
     }
     for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * length, top = max_of(row, length), total = 0.0f;
-        int64_t p = 0;
-        v8 sums = {0}, tops = top - (v8){0};
-        for (; p + 8 <= length; p += 8) {
-            v8 e = exp8(load8(row + p) - tops);
-            store8(row + p, e);
-            sums += e;
-        }
-        total = hsum8(sums);
+        float *row = scores + g * length, top = max_of(row, length), total = hsum8(exp_shifted(row, row, length, top));
+        int64_t p = length / 8 * 8;
         for (; p < length; p++) total += row[p] = expf(row[p] - top);
         float inv = 1.0f / total;
         for (p = 0; p < length; p++) row[p] *= inv;
@@ -478,17 +498,10 @@ static int64_t sample_row(const float *z, int64_t V, double u, float *weights, f
     double total = 0.0;
     int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     double *running = (double *)(weights + V + (-V & 1)); /* after the weights, 8-byte aligned */
-    v8 tops = top - (v8){0};
     for (int64_t c = 0; c < chunks; c++) {
         int64_t first = c * SAMPLE_CHUNK, last = first + SAMPLE_CHUNK < V ? first + SAMPLE_CHUNK : V;
-        v8 sums = {0};
-        for (v = first; v + 8 <= last; v += 8) {
-            v8 e = exp8(load8(z + v) - tops);
-            store8(weights + v, e);
-            sums += e;
-        }
-        float sum = hsum8(sums);
-        for (; v < last; v++) sum += weights[v] = expf(z[v] - top);
+        float sum = hsum8(exp_shifted(z + first, weights + first, last - first, top));
+        for (v = first + (last - first) / 8 * 8; v < last; v++) sum += weights[v] = expf(z[v] - top);
         running[c] = total += sum;
     }
     double target = u * total;
@@ -541,24 +554,32 @@ static inline v8 bf16_load8(const uint16_t *p) { /* 8 bf16 -> 8 float32, exactly
 #endif
 }
 
-static inline vu8 bf16_round_bits(v8 v) { /* float32 -> bf16 in the high halves: to nearest, ties to even */
-    vu8 bits;
-    memcpy(&bits, &v, sizeof bits);
-    vu8 nan = (bits & 0x7fffffffu) > 0x7f800000u; /* all ones where NaN */
-    vu8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return (rounded & ~nan) | (0x7fc00000u & nan);
-}
+/* float32 -> bf16, to nearest, ties to even, NaN kept NaN: bf16_round_bitsN (the bf16 in the high halves),
+ * bf16_roundN (as float32), bf16_storeN, for N lanes. */
+#define DEFINE_BF16_ROUND(N)                                                                                      \
+    static inline vu##N bf16_round_bits##N(v##N v) {                                                              \
+        vu##N bits = (vu##N)v;                                                                                    \
+        vu##N nan = (bits & 0x7fffffffu) > 0x7f800000u; /* all ones where NaN */                                 \
+        vu##N rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;                                     \
+        return (rounded & ~nan) | (0x7fc00000u & nan);                                                            \
+    }                                                                                                             \
+    static inline v##N bf16_round##N(v##N v) { return (v##N)bf16_round_bits##N(v); }                              \
+    static inline void bf16_store##N(uint16_t *p, v##N v) {                                                       \
+        vh##N h = __builtin_convertvector(bf16_round_bits##N(v) >> 16, vh##N);                                    \
+        memcpy(p, &h, sizeof h);                                                                                  \
+    }
+DEFINE_BF16_ROUND(8)
+DEFINE_BF16_ROUND(16)
 
-static inline v8 bf16_round8(v8 v) {
-    vu8 bits = bf16_round_bits(v);
-    v8 out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline void bf16_store8(uint16_t *p, v8 v) {
-    vh8 h = __builtin_convertvector(bf16_round_bits(v) >> 16, vh8);
-    memcpy(p, &h, sizeof h);
+static inline v16 bf16_load16(const uint16_t *p) { /* 16 bf16 -> 16 float32, exactly */
+#ifdef __AVX512F__ /* as bf16_load8 */
+    __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (v16)bits;
+#else
+    vh16 h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, vu16) << 16);
+#endif
 }
 
 static inline float bf16_round1(float f) { return bf16_to_float(float_to_bf16(f)); }
@@ -566,6 +587,7 @@ static inline void bf16_store1(uint16_t *p, float f) { *p = float_to_bf16(f); }
 static inline float f32_load1(const float *p) { return *p; }
 static inline void f32_store1(float *p, float f) { *p = f; }
 static inline v8 same8(v8 v) { return v; }
+static inline v16 same16(v16 v) { return v; }
 static inline float same1(float f) { return f; }
 
 /* What colorl_decode_layer_* reads (cpu_decode.py builds both with ctypes): one decoder layer's
@@ -594,9 +616,12 @@ typedef struct {
 #define SUFFIX _f32
 #define LOAD8 load8
 #define STORE8 store8
+#define LOAD16 load16
+#define STORE16 store16
 #define LOAD1 f32_load1
 #define STORE1 f32_store1
 #define ROUND8 same8
+#define ROUND16 same16
 #define ROUND1 same1
 #define STAGE_KV 0
 #define AMX_PANELS 0
@@ -606,9 +631,12 @@ typedef struct {
 #undef SUFFIX
 #undef LOAD8
 #undef STORE8
+#undef LOAD16
+#undef STORE16
 #undef LOAD1
 #undef STORE1
 #undef ROUND8
+#undef ROUND16
 #undef ROUND1
 #undef STAGE_KV
 #undef AMX_PANELS
@@ -652,9 +680,12 @@ int colorl_amx_min_rows(void) { return 0; }
 #define SUFFIX _bf16
 #define LOAD8 bf16_load8
 #define STORE8 bf16_store8
+#define LOAD16 bf16_load16
+#define STORE16 bf16_store16
 #define LOAD1(p) bf16_to_float(*(p))
 #define STORE1 bf16_store1
 #define ROUND8 bf16_round8
+#define ROUND16 bf16_round16
 #define ROUND1 bf16_round1
 #define STAGE_KV 1
 #define AMX_PANELS HAVE_AMX

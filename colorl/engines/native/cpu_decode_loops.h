@@ -1,9 +1,9 @@
 /* The decode step's loops other than the products, once per storage type: cpu_decode.c includes
  * this file twice, for float32 (_f32) and bfloat16 (_bf16). The arithmetic is float32 in both;
- * ELEM is the type in memory, LOAD8/LOAD1 widen from it, STORE8/STORE1 round to it, and ROUND8/
- * ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
+ * ELEM is the type in memory, LOAD8/LOAD16/LOAD1 widen from it, STORE8/STORE16/STORE1 round to it, and ROUND8/
+ * ROUND16/ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
  * identity in float32); STAGE_KV: attention widens its keys and values first. Defined by the
- * includer: ELEM, SUFFIX, LOAD8, STORE8, LOAD1, STORE1, ROUND8, ROUND1, STAGE_KV, KPAIR_PANELS (the panels hold k
+ * includer: ELEM, SUFFIX, LOAD8/16, STORE8/16, LOAD1, STORE1, ROUND8/16, ROUND1, STAGE_KV, KPAIR_PANELS (the panels hold k
  * in pairs, packed and multiplied by cpu_decode_kpairs.h: bf16 on a CPU with AVX512-BF16), AMX_PANELS (those
  * products run on AMX tiles where granted: bf16 on a CPU with AMX). */
 #define LOOP_NAME_(name, suffix) name##suffix
@@ -55,6 +55,10 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
         const ELEM *g = gate_up + t * 2 * I, *u = g + I;
         ELEM *o = out + t * I;
         int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16 gv = LOAD16(g + i);
+            STORE16(o + i, ROUND16(gv / (1.0f + exp16(-gv))) * LOAD16(u + i));
+        }
         for (; i + 8 <= I; i += 8) {
             v8 gv = LOAD8(g + i);
             STORE8(o + i, ROUND8(gv / (1.0f + exp8(-gv))) * LOAD8(u + i));
@@ -117,7 +121,6 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
  * product, 8 or fewer, take a tile of 8 rather than a half-empty one of 16 (TILE_ROWS). */
 #define TILE 16
 #define TILE_ROWS(left) ((left) > 8 ? 16 : 8)
-typedef float v16 __attribute__((vector_size(64)));
 
 /* k's 8 weights of panel a and of panel b, as one 16-wide register (one vshuff32x4). */
 static inline v16 NAMED(pair_at)(const ELEM *a, const ELEM *b) {
