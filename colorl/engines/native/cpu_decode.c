@@ -17,34 +17,27 @@
 #define COLORL_NO_MEMORY (-2)
 #define COLORL_OUT_OF_RANGE (-3)
 
-/* Eight lanes of float32, and sixteen: one AVX-512 register, or two AVX2 ones (the compiler splits the vector).
- * The element-wise loops (the SiLU, the softmax's and the sampler's e^x) run on sixteen: on AVX-512 half the
- * instructions per value, and each lane's value is the 8-lane loop's (the same steps per lane;
- * tests/engines/test_cpu_decode.py). */
+/* Eight lanes of float32, and, with AVX-512, sixteen (one register). The element-wise loops (the SiLU, the e^x of
+ * the softmax and the sampler, attention's sums of values, bf16's widening) run on the widest vector the build has,
+ * vwide (WIDE lanes): on AVX-512 half the instructions per value, and each lane's value is the 8-lane loop's (the
+ * same steps per lane; tests/engines/test_cpu_decode.py). Not 16 lanes on AVX2: GCC 12 splits them into halves so
+ * badly (the e^x's compares and converts) that the SiLU and the sampler ran 3-4x slower than on 8 lanes. */
 typedef float v8 __attribute__((vector_size(32)));
-typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
 
-#define DEFINE_LOAD_STORE(N)                                                                                      \
-    static inline v##N load##N(const float *p) {                                                                  \
-        v##N v;                                                                                                   \
+#define DEFINE_LOAD_STORE(VF, N)                                                                                  \
+    static inline VF load##N(const float *p) {                                                                    \
+        VF v;                                                                                                     \
         memcpy(&v, p, sizeof v);                                                                                  \
         return v;                                                                                                 \
     }                                                                                                             \
-    static inline void store##N(float *p, v##N v) { memcpy(p, &v, sizeof v); }
-DEFINE_LOAD_STORE(8)
-DEFINE_LOAD_STORE(16)
+    static inline void store##N(float *p, VF v) { memcpy(p, &v, sizeof v); }
+DEFINE_LOAD_STORE(v8, 8)
 
 #define BROADCAST8(s) ((v8){(s), (s), (s), (s), (s), (s), (s), (s)}) /* one vbroadcastss from memory */
 
 static inline float hsum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline void halves16(v16 v, v8 *lo, v8 *hi) {
-    memcpy(lo, &v, sizeof *lo);
-    memcpy(hi, (const char *)&v + sizeof *lo, sizeof *hi);
 }
 
 /* a where mask, else b, lane by lane, for float32 vectors VF whose int32 lanes are VI (vector casts keep the bits). */
@@ -68,19 +61,40 @@ static inline void halves16(v16 v, v8 *lo, v8 *hi) {
         return SELECT(VF, VI, under, zero, p * (VF)((n + 127) << 23));                                           \
     }
 DEFINE_EXP(exp8, v8, vi8)
-DEFINE_EXP(exp16, v16, vi16)
+
+#if defined(__AVX512F__)
+#define WIDE 16
+typedef float v16 __attribute__((vector_size(64)));
+typedef v16 vwide;
+typedef int32_t viwide __attribute__((vector_size(64)));
+DEFINE_LOAD_STORE(vwide, _wide)
+DEFINE_EXP(exp_wide, vwide, viwide)
+
+static inline v8 add_in_order(v8 sums, vwide e) { /* sums + e's two halves in turn: the 8-lane loop's order */
+    v8 lo, hi;
+    memcpy(&lo, &e, sizeof lo);
+    memcpy(&hi, (const char *)&e + sizeof lo, sizeof hi);
+    return (sums + lo) + hi;
+}
+#else
+#define WIDE 8
+typedef v8 vwide;
+typedef vi8 viwide;
+#define load_wide load8
+#define store_wide store8
+#define exp_wide exp8
+static inline v8 add_in_order(v8 sums, vwide e) { return sums + e; }
+#endif
 
 /* to[i] = e^(from[i] - top) for i below n rounded down to 8, and their sums in 8 lanes (lane j: every i = j mod 8,
- * in order). The 16-lane loop adds its two halves in turn, so that the sums' bits do not depend on the width. */
+ * in order, whatever WIDE is). */
 static inline v8 exp_shifted(const float *from, float *to, int64_t n, float top) {
-    v8 sums = {0}, lo, hi;
+    v8 sums = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 e = exp16(load16(from + i) - (top - (v16){0}));
-        store16(to + i, e);
-        halves16(e, &lo, &hi);
-        sums += lo;
-        sums += hi;
+    for (; i + WIDE <= n; i += WIDE) {
+        vwide e = exp_wide(load_wide(from + i) - (top - (vwide){0}));
+        store_wide(to + i, e);
+        sums = add_in_order(sums, e);
     }
     for (; i + 8 <= n; i += 8) {
         v8 e = exp8(load8(from + i) - (top - (v8){0}));
@@ -90,17 +104,17 @@ static inline v8 exp_shifted(const float *from, float *to, int64_t n, float top)
     return sums;
 }
 
-/* The largest of x[0..n) (n >= 1): sixteen lanes at a time, then across them; exact in any order. */
+/* The largest of x[0..n) (n >= 1): WIDE lanes at a time, then across them; exact in any order. */
 static inline float max_of(const float *x, int64_t n) {
     float top = x[0];
     int64_t i = 0;
-    if (n >= 16) {
-        v16 tops = top - (v16){0};
-        for (; i + 16 <= n; i += 16) {
-            v16 next = load16(x + i);
-            tops = SELECT(v16, vi16, next > tops, next, tops);
+    if (n >= WIDE) {
+        vwide tops = top - (vwide){0};
+        for (; i + WIDE <= n; i += WIDE) {
+            vwide next = load_wide(x + i);
+            tops = SELECT(vwide, viwide, next > tops, next, tops);
         }
-        for (int lane = 0; lane < 16; lane++) top = tops[lane] > top ? tops[lane] : top;
+        for (int lane = 0; lane < WIDE; lane++) top = tops[lane] > top ? tops[lane] : top;
     }
     for (; i < n; i++) top = x[i] > top ? x[i] : top;
     return top;
@@ -239,8 +253,6 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
 
 typedef uint32_t vu8 __attribute__((vector_size(32)));
 typedef uint16_t vh8 __attribute__((vector_size(16)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -374,36 +386,50 @@ int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
  * lengths: [S] context tokens; out: [S, H, D]. One task per (sequence, KV head) reads that head's
  * keys and values once for its whole query-head group, in two passes: every score, then the
  * softmax-weighted sum of values, in float32 like SDPA's CPU kernel. */
-static inline __attribute__((always_inline)) int
-decode_one(const float *q, const float *cache, const int64_t *table, int64_t length, float *out, int64_t H,
-           int64_t Hkv, const int64_t D, int64_t block_size, float scale, int64_t kvh) {
-    int64_t group = H / Hkv, stride = 2 * Hkv * D;
-    const float *qh = q + kvh * group * D;
-    float *oh = out + kvh * group * D;
-    float *scores = malloc(sizeof(float) * group * length);
-    if (!scores) return COLORL_NO_MEMORY;
-    /* Eight positions at a time: each query head's eight dot products summed across lanes together
-     * (sums8x8), its q held in registers over them; the last few positions one by one. */
+/* q . k over D values (a multiple of 8) as eight lanes still to be summed: with AVX-512 sixteen lanes at a time where
+ * D allows (half the FMAs), then their two halves added. */
+static inline __attribute__((always_inline)) v8 dot_lanes(const float *q, const float *k, const int64_t D) {
+#if WIDE == 16
+    if (D % 16 == 0) {
+        vwide sum = load_wide(q) * load_wide(k);
+        for (int64_t d = 16; d < D; d += 16) sum += load_wide(q + d) * load_wide(k + d);
+        return add_in_order((v8){0}, sum);
+    }
+#endif
+    v8 sum = load8(q) * load8(k);
+    for (int64_t d = 8; d < D; d += 8) sum += load8(q + d) * load8(k + d);
+    return sum;
+}
+
+/* The scores of KV head kvh's query heads (qh: their queries, [group, D]) against the keys of positions 0..count
+ * (row p at cache + (table[p / block_size] * block_size + p % block_size) * stride), times scale: query head g's in
+ * scores[g * scores_stride + p]. Eight positions at a time: each query head's eight dot products summed across
+ * lanes together (sums8x8), its q held in registers over them; the last few positions one by one. A position's
+ * score does not depend on the others, so runs of positions that start at multiples of 8 give the same bits. */
+static inline __attribute__((always_inline)) void
+head_scores(const float *qh, const float *cache, const int64_t *table, int64_t block_size, int64_t stride,
+            int64_t kvh, const int64_t D, int64_t group, int64_t count, float scale, float *scores,
+            int64_t scores_stride) {
     int64_t pos = 0;
-    for (; D % 8 == 0 && pos + 8 <= length; pos += 8) {
+    for (; D % 8 == 0 && pos + 8 <= count; pos += 8) {
         const float *k[8];
         for (int j = 0; j < 8; j++)
             k[j] = cache + (table[(pos + j) / block_size] * block_size + (pos + j) % block_size) * stride + kvh * D;
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qh + g * D;
             v8 partial[8];
-            for (int j = 0; j < 8; j++) {
-                v8 sum = load8(qg) * load8(k[j]);
-                for (int64_t d = 8; d < D; d += 8) sum += load8(qg + d) * load8(k[j] + d);
-                partial[j] = sum;
-            }
-            store8(scores + g * length + pos, sums8x8(partial) * scale);
+            for (int j = 0; j < 8; j++) partial[j] = dot_lanes(qg, k[j], D);
+            store8(scores + g * scores_stride + pos, sums8x8(partial) * scale);
         }
     }
-    for (; pos < length; pos++) {
+    for (; pos < count; pos++) {
         const float *k = cache + (table[pos / block_size] * block_size + pos % block_size) * stride + kvh * D;
-        for (int64_t g = 0; g < group; g++) scores[g * length + pos] = dot(qh + g * D, k, D) * scale;
+        for (int64_t g = 0; g < group; g++) scores[g * scores_stride + pos] = dot(qh + g * D, k, D) * scale;
     }
+}
+
+/* Each of the group's rows of scores [group, length] -> its softmax, in place. */
+static inline void softmax_rows(float *scores, int64_t group, int64_t length) {
     for (int64_t g = 0; g < group; g++) {
         float *row = scores + g * length, top = max_of(row, length), total = hsum8(exp_shifted(row, row, length, top));
         int64_t p = length / 8 * 8;
@@ -411,24 +437,72 @@ decode_one(const float *q, const float *cache, const int64_t *table, int64_t len
         float inv = 1.0f / total;
         for (p = 0; p < length; p++) row[p] *= inv;
     }
-    for (int64_t g = 0; g < group; g++) { /* one head's sum in registers, the values re-read from L1/L2 */
-        v8 acc[D / 8];
-        memset(acc, 0, sizeof acc);
-        const float *weights = scores + g * length;
-        for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
-            const float *v = cache + table[b] * block_size * stride + (Hkv + kvh) * D;
-            int64_t last = first + block_size < length ? first + block_size : length;
-            for (int64_t p = first; p < last; p++, v += stride)
-                for (int64_t d = 0; d < D / 8; d++) acc[d] += weights[p] * load8(v + 8 * d);
-        }
-        for (int64_t d = 0; d < D / 8; d++) store8(oh + g * D + 8 * d, acc[d]);
-        for (int64_t d = D / 8 * 8; d < D; d++) { /* a head size that is not a multiple of 8 */
-            float sum = 0.0f;
-            for (int64_t p = 0; p < length; p++)
-                sum += weights[p] * cache[(table[p / block_size] * block_size + p % block_size) * stride + (Hkv + kvh) * D + d];
-            oh[g * D + d] = sum;
+}
+
+/* Query heads g..g + n's sums of values over positions 0..count (n <= VALUE_HEADS, a constant where inlined): their
+ * sums in registers, each position's values loaded once for all n. Row p's values at cache + (table[p / block_size]
+ * * block_size + p % block_size) * stride + at; weights as head_values'. */
+#define VALUE_HEADS 4
+#define SUMS_HELD (WIDE == 16 ? 16 : 8) /* vwide sums a loop keeps in registers: half of AVX-512's 32, AVX2's 16 */
+static inline __attribute__((always_inline)) void
+heads_values(const float *weights, int64_t weights_stride, const float *cache, const int64_t *table,
+             int64_t block_size, int64_t stride, int64_t at, const int64_t D, const int n, int64_t count, float *oh,
+             int more) {
+    vwide acc[VALUE_HEADS][D / WIDE];
+    for (int h = 0; h < n; h++)
+        for (int64_t d = 0; d < D / WIDE; d++) acc[h][d] = more ? load_wide(oh + h * D + WIDE * d) : (vwide){0};
+    for (int64_t first = 0, b = 0; first < count; first += block_size, b++) {
+        const float *v = cache + table[b] * block_size * stride + at;
+        int64_t last = first + block_size < count ? first + block_size : count;
+        for (int64_t p = first; p < last; p++, v += stride)
+            for (int64_t d = 0; d < D / WIDE; d++) {
+                vwide values = load_wide(v + WIDE * d);
+                for (int h = 0; h < n; h++) acc[h][d] += weights[h * weights_stride + p] * values;
+            }
+    }
+    for (int h = 0; h < n; h++)
+        for (int64_t d = 0; d < D / WIDE; d++) store_wide(oh + h * D + WIDE * d, acc[h][d]);
+}
+
+/* oh[g] (+)= sum over positions 0..count of weights[g * weights_stride + p] * the values of KV head kvh at p (row p
+ * addressed as in head_scores; the values follow the keys' Hkv heads): added to what oh holds where `more`, so
+ * that runs of positions summed in turn give the one run's bits. WIDE values of a head at a time, as many heads
+ * at once as SUMS_HELD sums hold (up to VALUE_HEADS); a head size that is not a multiple of WIDE sums the rest one
+ * value at a time, in the same order. */
+static inline __attribute__((always_inline)) void
+head_values(const float *weights, int64_t weights_stride, const float *cache, const int64_t *table,
+            int64_t block_size, int64_t stride, int64_t Hkv, int64_t kvh, const int64_t D, int64_t group,
+            int64_t count, float *oh, int more) {
+    int64_t at = (Hkv + kvh) * D, together = SUMS_HELD / (D / WIDE > 0 ? D / WIDE : 1);
+    together = together < 1 ? 1 : together > VALUE_HEADS ? VALUE_HEADS : together;
+    for (int64_t g = 0; D >= WIDE && g < group; g += together) {
+        const float *w = weights + g * weights_stride;
+        switch (group - g < together ? group - g : together) {
+        case 1: heads_values(w, weights_stride, cache, table, block_size, stride, at, D, 1, count, oh + g * D, more); break;
+        case 2: heads_values(w, weights_stride, cache, table, block_size, stride, at, D, 2, count, oh + g * D, more); break;
+        case 3: heads_values(w, weights_stride, cache, table, block_size, stride, at, D, 3, count, oh + g * D, more); break;
+        default: heads_values(w, weights_stride, cache, table, block_size, stride, at, D, 4, count, oh + g * D, more); break;
         }
     }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = D / WIDE * WIDE; d < D; d++) {
+            float sum = more ? oh[g * D + d] : 0.0f;
+            for (int64_t p = 0; p < count; p++)
+                sum += weights[g * weights_stride + p] *
+                       cache[(table[p / block_size] * block_size + p % block_size) * stride + at + d];
+            oh[g * D + d] = sum;
+        }
+}
+
+static inline __attribute__((always_inline)) int
+decode_one(const float *q, const float *cache, const int64_t *table, int64_t length, float *out, int64_t H,
+           int64_t Hkv, const int64_t D, int64_t block_size, float scale, int64_t kvh) {
+    int64_t group = H / Hkv, stride = 2 * Hkv * D;
+    float *scores = malloc(sizeof(float) * group * length);
+    if (!scores) return COLORL_NO_MEMORY;
+    head_scores(q + kvh * group * D, cache, table, block_size, stride, kvh, D, group, length, scale, scores, length);
+    softmax_rows(scores, group, length);
+    head_values(scores, length, cache, table, block_size, stride, Hkv, kvh, D, group, length, out + kvh * group * D, 0);
     free(scores);
     return 0;
 }
@@ -569,25 +643,29 @@ static inline v8 bf16_load8(const uint16_t *p) { /* 8 bf16 -> 8 float32, exactly
         memcpy(p, &h, sizeof h);                                                                                  \
     }
 DEFINE_BF16_ROUND(8)
-DEFINE_BF16_ROUND(16)
 
-static inline v16 bf16_load16(const uint16_t *p) { /* 16 bf16 -> 16 float32, exactly */
-#ifdef __AVX512F__ /* as bf16_load8 */
+#if WIDE == 16
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+DEFINE_BF16_ROUND(16)
+#define bf16_round_wide bf16_round16
+#define bf16_store_wide bf16_store16
+static inline vwide bf16_load_wide(const uint16_t *p) { /* 16 bf16 -> 16 float32, exactly, as bf16_load8 */
     __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-    return (v16)bits;
-#else
-    vh16 h;
-    memcpy(&h, p, sizeof h);
-    return (v16)(__builtin_convertvector(h, vu16) << 16);
-#endif
+    return (vwide)bits;
 }
+#else
+#define bf16_round_wide bf16_round8
+#define bf16_store_wide bf16_store8
+#define bf16_load_wide bf16_load8
+#endif
 
 static inline float bf16_round1(float f) { return bf16_to_float(float_to_bf16(f)); }
 static inline void bf16_store1(uint16_t *p, float f) { *p = float_to_bf16(f); }
 static inline float f32_load1(const float *p) { return *p; }
 static inline void f32_store1(float *p, float f) { *p = f; }
 static inline v8 same8(v8 v) { return v; }
-static inline v16 same16(v16 v) { return v; }
+static inline vwide same_wide(vwide v) { return v; }
 static inline float same1(float f) { return f; }
 
 /* What colorl_decode_layer_* reads (cpu_decode.py builds both with ctypes): one decoder layer's
@@ -616,12 +694,12 @@ typedef struct {
 #define SUFFIX _f32
 #define LOAD8 load8
 #define STORE8 store8
-#define LOAD16 load16
-#define STORE16 store16
+#define LOADW load_wide
+#define STOREW store_wide
 #define LOAD1 f32_load1
 #define STORE1 f32_store1
 #define ROUND8 same8
-#define ROUND16 same16
+#define ROUNDW same_wide
 #define ROUND1 same1
 #define STAGE_KV 0
 #define AMX_PANELS 0
@@ -631,12 +709,12 @@ typedef struct {
 #undef SUFFIX
 #undef LOAD8
 #undef STORE8
-#undef LOAD16
-#undef STORE16
+#undef LOADW
+#undef STOREW
 #undef LOAD1
 #undef STORE1
 #undef ROUND8
-#undef ROUND16
+#undef ROUNDW
 #undef ROUND1
 #undef STAGE_KV
 #undef AMX_PANELS
@@ -680,12 +758,12 @@ int colorl_amx_min_rows(void) { return 0; }
 #define SUFFIX _bf16
 #define LOAD8 bf16_load8
 #define STORE8 bf16_store8
-#define LOAD16 bf16_load16
-#define STORE16 bf16_store16
+#define LOADW bf16_load_wide
+#define STOREW bf16_store_wide
 #define LOAD1(p) bf16_to_float(*(p))
 #define STORE1 bf16_store1
 #define ROUND8 bf16_round8
-#define ROUND16 bf16_round16
+#define ROUNDW bf16_round_wide
 #define ROUND1 bf16_round1
 #define STAGE_KV 1
 #define AMX_PANELS HAVE_AMX

@@ -1,9 +1,9 @@
 /* The decode step's loops other than the products, once per storage type: cpu_decode.c includes
  * this file twice, for float32 (_f32) and bfloat16 (_bf16). The arithmetic is float32 in both;
- * ELEM is the type in memory, LOAD8/LOAD16/LOAD1 widen from it, STORE8/STORE16/STORE1 round to it, and ROUND8/
- * ROUND16/ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
+ * ELEM is the type in memory, LOAD8/LOADW/LOAD1 widen from it (8 lanes, WIDE, one), STORE8/STOREW/STORE1 round to
+ * it, and ROUND8/ROUNDW/ROUND1 round a float32 to ELEM's precision where HF's module rounds an intermediate (the
  * identity in float32); STAGE_KV: attention widens its keys and values first. Defined by the
- * includer: ELEM, SUFFIX, LOAD8/16, STORE8/16, LOAD1, STORE1, ROUND8/16, ROUND1, STAGE_KV, KPAIR_PANELS (the panels hold k
+ * includer: ELEM, SUFFIX, LOAD8/W, STORE8/W, LOAD1, STORE1, ROUND8/W, ROUND1, STAGE_KV, KPAIR_PANELS (the panels hold k
  * in pairs, packed and multiplied by cpu_decode_kpairs.h: bf16 on a CPU with AVX512-BF16), AMX_PANELS (those
  * products run on AMX tiles where granted: bf16 on a CPU with AMX). */
 #define LOOP_NAME_(name, suffix) name##suffix
@@ -55,9 +55,9 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
         const ELEM *g = gate_up + t * 2 * I, *u = g + I;
         ELEM *o = out + t * I;
         int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            v16 gv = LOAD16(g + i);
-            STORE16(o + i, ROUND16(gv / (1.0f + exp16(-gv))) * LOAD16(u + i));
+        for (; i + WIDE <= I; i += WIDE) {
+            vwide gv = LOADW(g + i);
+            STOREW(o + i, ROUNDW(gv / (1.0f + exp_wide(-gv))) * LOADW(u + i));
         }
         for (; i + 8 <= I; i += 8) {
             v8 gv = LOAD8(g + i);
@@ -393,49 +393,71 @@ int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, in
 
 /* ---------------------------------------------------------------- paged decode attention
  * decode_one (cpu_decode.c) over the block table: one task per (sequence, KV head) in float32.
- * In bf16 one task per sequence first widens its context's keys and values, every head at once
- * (each block one sequential run), to float32 in a one-block cache of the same layout, then runs
- * decode_one per KV head over it from L2: widening inside the loops, or per head from a strided
- * read, made bf16 attention 1.5x slower than float32 for half the bytes. With fewer sequences than
- * threads (a batch-1 step) each task takes a share of the KV heads instead, widening only theirs, so
- * that no thread waits through the whole attention. */
+ * In bf16 one task per sequence widens its context's keys to float32 a few positions at a time, every
+ * head at once, into a buffer that stays in L1 (STAGE_BYTES), and runs each KV head's scores over it
+ * (head_scores); then the softmax; then the values the same way (head_values). Each run of positions adds
+ * to the sums the run before left, so the bits are decode_one's over a whole widened copy, as before; that
+ * copy went to L2 and back (at 32 sequences of bf16 on the AMX Xeon its widening took 2.4 ms of a step's
+ * 5.5 ms of attention, 1.3 ms of them with the keys and values already in cache). Widening inside the
+ * loops, per head from a strided read, made bf16 attention 1.5x slower than float32 for half the bytes.
+ * With fewer sequences than threads (a batch-1 step) each task takes a share of the KV heads instead,
+ * widening only theirs, so that no thread waits through the whole attention. */
 /* count values of ELEM as float32 (bf16 attention's staging, the logits). */
 static void NAMED(widen)(const ELEM *from, float *to, int64_t count) {
     int64_t i = 0;
+    for (; i + WIDE <= count; i += WIDE) store_wide(to + i, LOADW(from + i));
     for (; i + 8 <= count; i += 8) store8(to + i, LOAD8(from + i));
     for (; i < count; i++) to[i] = LOAD1(from + i);
 }
 
 #if STAGE_KV
-/* KV heads [h0, h1) of one sequence: the outputs of their query heads. */
-static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
-                                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t h0,
-                                  int64_t h1) {
-    int64_t stride = 2 * Hkv * D, group = H / Hkv, every = h0 == 0 && h1 == Hkv;
-    float *staged = thread_scratch(length * stride + 2 * H * D);
-    if (!staged) return COLORL_NO_MEMORY;
-    float *qf = staged + length * stride, *of = qf + H * D;
-    NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
-    for (int64_t first = 0, b = 0; first < length; first += block_size, b++) {
-        const ELEM *run = cache + table[b] * block_size * stride;
-        int64_t count = (first + block_size < length ? first + block_size : length) - first;
-        float *to = staged + first * stride;
-        if (every) {
-            NAMED(widen)(run, to, count * stride);
-            continue;
-        }
-        for (int64_t t = 0; t < count; t++)
-            for (int64_t part = 0; part < 2; part++) /* the keys, the values */
-                NAMED(widen)(run + t * stride + part * Hkv * D + h0 * D, to + t * stride + part * Hkv * D + h0 * D,
-                             (h1 - h0) * D);
-    }
+#define STAGE_BYTES 16384 /* of widened keys or values at a time: a third of a 48 KB L1, half of a 32 KB one */
+#define ONE_RUN (INT64_C(1) << 40) /* the block size that makes a staged run one block (a shift, not a division) */
+
+/* KV heads [h0, h1) of one sequence: the outputs of their query heads (D a constant where it is inlined). */
+static inline __attribute__((always_inline)) int
+NAMED(decode_runs)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out, int64_t H,
+                   int64_t Hkv, const int64_t D, int64_t block_size, float scale, int64_t h0, int64_t h1) {
+    int64_t stride = 2 * Hkv * D, group = H / Hkv, width = (h1 - h0) * D; /* a staged position: the task's heads */
+    int64_t run = STAGE_BYTES / (int64_t)sizeof(float) / width / 8 * 8; /* positions: a multiple of 8 (head_scores) */
+    run = run < 8 ? 8 : run;
+    float *scores = thread_scratch((h1 - h0) * group * length + run * width + 2 * H * D);
+    if (!scores) return COLORL_NO_MEMORY;
+    float *staged = scores + (h1 - h0) * group * length, *qf = staged + run * width, *of = qf + H * D;
     const int64_t one_block = 0;
-    for (int64_t kvh = h0; kvh < h1; kvh++)
-        if (decode_head(qf, staged, &one_block, length, of, H, Hkv, D, length, scale, kvh)) return COLORL_NO_MEMORY;
+    NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
+    for (int part = 0; part < 2; part++) { /* the keys, then the values */
+        for (int64_t from = 0; from < length; from += run) {
+            int64_t count = length - from < run ? length - from : run;
+            for (int64_t t = 0; t < count; t++) {
+                int64_t p = from + t;
+                const ELEM *row = cache + (table[p / block_size] * block_size + p % block_size) * stride;
+                NAMED(widen)(row + part * Hkv * D + h0 * D, staged + t * width, width);
+            }
+            for (int64_t kvh = h0; kvh < h1; kvh++) {
+                float *rows = scores + (kvh - h0) * group * length + from;
+                if (part == 0)
+                    head_scores(qf + kvh * group * D, staged, &one_block, ONE_RUN, width, kvh - h0, D, group, count,
+                                scale, rows, length);
+                else
+                    head_values(rows, length, staged, &one_block, ONE_RUN, width, 0, kvh - h0, D, group, count,
+                                of + kvh * group * D, from > 0);
+            }
+        }
+        if (part == 0) softmax_rows(scores, (h1 - h0) * group, length);
+    }
     int64_t i = h0 * group * D, end = h1 * group * D;
     for (; i + 8 <= end; i += 8) STORE8(out + i, load8(of + i));
     for (; i < end; i++) STORE1(out + i, of[i]);
     return 0;
+}
+
+static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_t *table, int64_t length, ELEM *out,
+                                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t h0,
+                                  int64_t h1) {
+    if (D == 64) return NAMED(decode_runs)(q, cache, table, length, out, H, Hkv, 64, block_size, scale, h0, h1);
+    if (D == 128) return NAMED(decode_runs)(q, cache, table, length, out, H, Hkv, 128, block_size, scale, h0, h1);
+    return NAMED(decode_runs)(q, cache, table, length, out, H, Hkv, D, block_size, scale, h0, h1);
 }
 #endif
 
