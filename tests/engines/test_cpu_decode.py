@@ -197,7 +197,7 @@ def test_rope_and_kv_write_equal_rotate_half_and_index_copy(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 64), (9, 3, 128), (3, 1, 20)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 64), (9, 3, 128), (3, 1, 20), (14, 2, 64)])
 def test_paged_decode_equals_gathered_sdpa(compiled, heads, kv_heads, dim, dtype):
     """Unequal lengths, scattered blocks, a block table wider than a sequence needs, strided queries."""
     gen = torch.Generator().manual_seed(heads)
