@@ -70,11 +70,14 @@ typedef int32_t viwide __attribute__((vector_size(64)));
 DEFINE_LOAD_STORE(vwide, _wide)
 DEFINE_EXP(exp_wide, vwide, viwide)
 
+/* Lanes 0-7 (h = 0) or 8-15 (h = 1): a pair of panels' sums (cpu_decode_loops.h), or a wide loop's halves. */
+static inline v8 half16(v16 v, int h) {
+    return h ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+             : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
 static inline v8 add_in_order(v8 sums, vwide e) { /* sums + e's two halves in turn: the 8-lane loop's order */
-    v8 lo, hi;
-    memcpy(&lo, &e, sizeof lo);
-    memcpy(&hi, (const char *)&e + sizeof lo, sizeof hi);
-    return (sums + lo) + hi;
+    return (sums + half16(e, 0)) + half16(e, 1);
 }
 #else
 #define WIDE 8

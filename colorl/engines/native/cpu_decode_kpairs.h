@@ -68,7 +68,7 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
                          const int64_t widths[2], float bv[2][PANEL]) {
     for (int64_t i = 0; i < R && b0 + i < B; i++)
         for (int v = 0; v < 2; v++)
-            if (widths[v]) store_sums_bf16(y + (b0 + i) * N + n0 + v * PANEL, half_of_bf16((v16)c[i], v), bv[v], widths[v]);
+            if (widths[v]) store_sums_bf16(y + (b0 + i) * N + n0 + v * PANEL, half16((v16)c[i], v), bv[v], widths[v]);
 }
 
 #define KPAIRS_TILE_CASE(R)                                                                        \

@@ -127,12 +127,6 @@ static inline v16 NAMED(pair_at)(const ELEM *a, const ELEM *b) {
     return __builtin_shufflevector(LOAD8(a), LOAD8(b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-/* The sums of a pair's panel v (0 or 1). */
-static inline v8 NAMED(half_of)(v16 sums, int v) {
-    return v ? __builtin_shufflevector(sums, sums, 8, 9, 10, 11, 12, 13, 14, 15)
-             : __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
-}
-
 /* R rows of x (xt [K, R]) against a pair of panels; R is a constant where it is inlined, so the sums stay in
  * registers. fetch: ask for this pair's next lines ahead (the tile that streams it); next: the following pair's
  * panels, asked for into L2 a line at a time as this tile reads the pair from cache (NULL: none). */
@@ -158,8 +152,8 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
         for (int i = 0; i < R; i++) s[i] += w * xk[i];
     }
     for (int i = 0; i < R; i++) {
-        c[i][0] = NAMED(half_of)(s[i], 0);
-        c[i][1] = NAMED(half_of)(s[i], 1);
+        c[i][0] = half16(s[i], 0);
+        c[i][1] = half16(s[i], 1);
     }
 }
 #else
@@ -251,7 +245,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
             if (width <= 0) break;
             float bv[PANEL];
             NAMED(panel_bias)(bias, n0, width, bv);
-            for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, NAMED(half_of)(c[b], v), bv, width);
+            for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, half16(c[b], v), bv, width);
         }
     }
 }
