@@ -92,6 +92,14 @@ def test_bf16_panels_run_on_amx_wherever_the_cpu_and_the_build_have_it(compiled)
     assert compiled.amx == (compiled.amx_built and cpu_decode.amx_wanted())
 
 
+def assert_float32_sums_rounded_once(out, x, weight, bias):
+    """out is x . weight^T (+ bias) from float32 sums rounded once to out's dtype (x2 margin), the sums in any
+    order (K u sum |x w|)."""
+    exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    order = x.shape[1] * 2.0 ** -24 * (x.float().abs() @ weight.float().abs().T)
+    assert ((out.float() - exact).abs() <= 2 * torch.finfo(out.dtype).eps * exact.abs() + order).all()
+
+
 @pytest.mark.parametrize("inputs", [83, 576])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 32, 33, 100, 256])
 def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compiled, rows, inputs):
@@ -112,11 +120,8 @@ def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compile
                 assert compiled.use_amx(on) == on
                 for b in (bias, None):
                     out = compiled.panel_linear(x, panels, outputs, b)
-                    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-                    # one bf16 rounding (x2 margin), and float32 sums in another order: K u sum |x w|
-                    order = inputs * 2.0 ** -24 * (x.float().abs() @ weight.float().abs().T)
                     assert out.dtype == torch.bfloat16
-                    assert ((out.float() - exact).abs() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + order).all()
+                    assert_float32_sums_rounded_once(out, x, weight, b)
     finally:
         compiled.use_amx(True)
 
@@ -136,9 +141,7 @@ def test_panels_give_the_same_bits_at_any_thread_count(compiled, rows, dtype):
             outs.append(compiled.panel_linear(x, panels, 1000, None))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-    exact = F.linear(x.float(), weight.float())
-    order = 576 * 2.0 ** -24 * (x.float().abs() @ weight.float().abs().T)  # float32 sums in another order
-    assert ((outs[0].float() - exact).abs() <= 2 * torch.finfo(dtype).eps * exact.abs() + order).all()
+    assert_float32_sums_rounded_once(outs[0], x, weight, None)
 
 
 def test_panels_of_another_matrix_are_refused(compiled):
