@@ -68,10 +68,12 @@ def cmd_train(args) -> int:
     if spot is not None:
         from colorl.launch import run_in_place
 
+        from colorl.distributed import exit_rank
+
         code = run_in_place(spot, run_rank, device, rank_args, cfg.launch.collective_timeout_s, prepare)
         if code == 0 and spot.rank == 0:
-            return _finished(cfg, run_dir, args.config, time.perf_counter() - started)
-        return code
+            code = _finished(cfg, run_dir, args.config, time.perf_counter() - started)
+        exit_rank(code)
     try:
         prepare()
     except (ValueError, OSError) as exc:

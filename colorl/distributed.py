@@ -1,10 +1,13 @@
 """Process-group helpers shared by the launcher, the workers and the tests."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 from contextlib import closing
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,25 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process as Python would (atexit handlers run, output flushed) but skip the interpreter's
+    finalization, where a rank that has done all its work can still abort.
+
+    Gloo's worker threads outlive `destroy_process_group` (torch keeps the group alive from C++). One that
+    drops the last reference to a finished collective's tensor takes the GIL to free it; from a finalizing
+    interpreter that ends the thread inside a noexcept frame, and the process dies with SIGABRT ("terminate
+    called without an active exception", `ProcessGroupGloo::runLoop` → `TensorImpl::decref_pyobject` →
+    `PyEval_AcquireThread` → `pthread_exit`). A world-two test ended so in one run of six on a Zen 4.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to keep
+            pass
+    os._exit(code)
+
+
 def _worker(local_rank: int, world: int, port: int, fn, args) -> None:
     init_process_group(local_rank, world, port)
     try:
@@ -58,6 +80,7 @@ def _worker(local_rank: int, world: int, port: int, fn, args) -> None:
         dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort it
     finally:
         dist.destroy_process_group()
+    exit_rank(0)
 
 
 def run_world(fn, world: int, *args) -> None:

@@ -118,8 +118,11 @@ def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, erro
         os._exit(1)
     import torch.distributed as dist
 
+    from colorl.distributed import exit_rank
+
     if dist.is_initialized():
         dist.destroy_process_group()
+    exit_rank(0)
 
 
 def _report(exc: BaseException) -> str:
