@@ -19,3 +19,16 @@ def mkl_reproducibility(rank: int, world: int, out: str) -> None:
     get = library.mkl_serv_cbwr_get
     get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"cbwr": get(MKL_CBWR_ALL)}))
+
+
+def collective_then_atexit(rank: int, world: int, out: str) -> None:
+    """An all-reduce over a tensor Python made, then an atexit handler that writes a file: a rank leaves
+    without the interpreter's finalization (colorl.distributed.exit_rank) and must still run it."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(4) * (rank + 1)
+    dist.all_reduce(total)
+    atexit.register(lambda: Path(out, f"rank{rank}.atexit").write_text(str(total.sum().item())))
