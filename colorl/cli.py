@@ -66,9 +66,8 @@ def cmd_train(args) -> int:
 
     rank_args = (cfg.model_dump(mode="json"), str(run_dir), args.resume, device)
     if spot is not None:
-        from colorl.launch import run_in_place
-
         from colorl.distributed import exit_rank
+        from colorl.launch import run_in_place
 
         code = run_in_place(spot, run_rank, device, rank_args, cfg.launch.collective_timeout_s, prepare)
         if code == 0 and spot.rank == 0:

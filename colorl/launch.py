@@ -99,7 +99,7 @@ def rank_threads(world: int) -> int:
 
 
 def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, error_dir: str, target, args) -> None:
-    from colorl.distributed import init_process_group
+    from colorl.distributed import exit_rank, init_process_group
 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the run installs its stop-at-step-boundary handler
@@ -116,12 +116,6 @@ def _entry(rank: int, world: int, port: int, device: str, timeout_s: float, erro
     except BaseException as exc:  # report anything, including KeyboardInterrupt, then exit non-zero
         Path(error_dir, f"rank{rank}.txt").write_text(_report(exc), encoding="utf-8")
         os._exit(1)
-    import torch.distributed as dist
-
-    from colorl.distributed import exit_rank
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     exit_rank(0)
 
 
