@@ -5,7 +5,7 @@ panels or oneDNN/MKL. It used to stream 85 MB of weights, more than most last-le
 Xeon's 300 MB L3: there a decode step streams its weights from memory while the race read them from the cache,
 and kernels rank differently in the two. Side by side in one process, interleaved, best of --rounds: each
 kernel's read rate (GB/s) at 1-8 rows over the smallest race size (RACE_MIN_BYTES) and over `race_bytes()`
-(twice this CPU's last-level cache), and the fastest kernel at each.
+(twice this CPU's last-level cache), and the fastest kernel at each, over the race's own matrices (RACE_LAYER).
 
     python bench/race_size.py [--threads 2] [--dtype float32] [--out bench/results/race_size.json]
 """
@@ -47,15 +47,16 @@ def main() -> int:
     print(f"{cpu}, last-level cache {cache and cache // 2**20} MiB, {args.threads} threads, {args.dtype}")
     rows_out = []
     for size in dict.fromkeys((cpu_decode.RACE_MIN_BYTES, cpu_decode.race_bytes())):
-        weights = [torch.randn(3072, 576).to(dtype) for _ in range(cpu_decode.race_matrices(dtype, size))]
+        weights = cpu_decode.race_weights(dtype, size)
         packed = PackedLinears()
         packed.repack(weights)
         panels = [lib.pack_panels(w) for w in weights]
         for rows in ROWS:
-            x = torch.randn(rows, 576).to(dtype)
-            kernels = {"rows kernel": lambda: [lib.linear(x, w, None) for w in weights],
-                       "panels": lambda: [lib.panel_linear(x, p, 3072, None) for p in panels],
-                       "oneDNN/MKL": lambda: [packed.linear(x, w, None) for w in weights]}
+            xs = cpu_decode.race_inputs(rows, dtype)
+            kernels = {"rows kernel": cpu_decode.race_products(lambda x, w, _: lib.linear(x, w, None), xs, weights),
+                       "panels": cpu_decode.race_products(lambda x, p, w: lib.panel_linear(x, p, w.shape[0], None),
+                                                          xs, weights, panels),
+                       "oneDNN/MKL": cpu_decode.race_products(lambda x, w, _: packed.linear(x, w, None), xs, weights)}
             best = {name: float("inf") for name in kernels}
             for _ in range(args.rounds):
                 for name, run in kernels.items():

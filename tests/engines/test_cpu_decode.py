@@ -526,15 +526,19 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
             before = len(loop_calls)
             candidate()
             calls[-1][rows] = set(loop_calls[before:])
+            baseline()
         return {"won": sorted(won), "busy": False, "seconds": {str(rows): [[1.0, 2.0]] for rows in items}}
 
-    loop_calls = []
+    loop_calls, widths = [], set()
     monkeypatch.setattr(verdicts, "stable_race", stable_race)
     for name in ("linear", "panel_linear"):
         monkeypatch.setattr(compiled, name, lambda *args, name=name, call=getattr(compiled, name):
-                            loop_calls.append(name) or call(*args))
+                            loop_calls.append(name) or widths.add((name, len(args[0]), args[0].shape[1])) or call(*args))
     verdict = cpu_decode.race_rows(compiled, torch.float32)
     few, many = set(range(1, cpu_decode.MAX_ROWS + 1)), set(cpu_decode.PANEL_RACE_ROWS)
+    # both loops stream short rows and long ones at every row count: over long rows x leaves L1 (bench/README.md)
+    assert {n_in for _, n_in in cpu_decode.RACE_LAYER} == {576, 1536}
+    assert widths >= {(name, rows, n_in) for name in ("linear", "panel_linear") for rows in few for n_in in (576, 1536)}
     assert races[0] == few and verdict["panel_rows"] == [3, 5]
     assert margins == [0.0, verdicts.MARGIN]  # two of the loops: the faster wins; against oneDNN, only clearly
     candidates = calls[1]  # the loops are the candidate above MAX_ROWS only
@@ -743,12 +747,12 @@ def test_a_race_streams_twice_the_last_level_cache(monkeypatch, cache_mib, raced
     cpu_decode.race_bytes.cache_clear()
     try:
         size = cpu_decode.race_bytes()
-        assert size % cpu_decode.RACE_MATRIX_BYTES == 0 and 0 <= size - raced_mib * 2**20 < cpu_decode.RACE_MATRIX_BYTES
+        assert size % cpu_decode.RACE_LAYER_BYTES == 0 and 0 <= size - raced_mib * 2**20 < cpu_decode.RACE_LAYER_BYTES
         assert size >= 2 * (cache_mib or 0) * 2**20 or size >= cpu_decode.RACE_MAX_BYTES
         library = cpu_decode.CpuDecode.__new__(cpu_decode.CpuDecode)
         library.build, library.amx = "b", False
         assert library.rows_verdict_name(torch.float32, 2).endswith(
-            "rows at 2 threads" if raced_mib == 81 else f"over {size // 2**20} MiB")
+            "rows at 2 threads over 960x576/576x576/3072x576/576x1536" + ("" if raced_mib == 81 else f", {size // 2**20} MiB"))
     finally:
         cpu_decode.race_bytes.cache_clear()
 

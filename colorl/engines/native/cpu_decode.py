@@ -36,8 +36,14 @@ _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what C
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
-RACE_MATRIX_BYTES = 3072 * 576 * 4  # one raced [3072, 576] float32 matrix (half as many elements' bf16 ones)
-RACE_MIN_BYTES = 12 * RACE_MATRIX_BYTES  # 85 MB: more than most last-level caches hold
+# The race streams decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and
+# down projections ([out, in]). Kernels rank differently over them: over the down projection's long rows (K = 1536)
+# 8 rows of x (48 KB in float32) leave L1 and the rows kernel reads them from L2 again for every weight row. On a
+# Zen 4 at two threads it tied with the panels over [3072, 576] alone, the race's matrix until then, and got 8
+# rows; the decode step then took 1.23x the panels' (bench/README.md, "The race over a decoder layer's products").
+RACE_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+RACE_LAYER_BYTES = 4 * sum(n_out * n_in for n_out, n_in in RACE_LAYER)  # one layer in float32, 14 MB
+RACE_MIN_BYTES = 6 * RACE_LAYER_BYTES  # 85 MB: more than most last-level caches hold
 RACE_MAX_BYTES = 2**30
 RACE_ROUNDS = 3
 
@@ -51,13 +57,29 @@ def race_bytes() -> int:
     from colorl.machine import last_level_cache_bytes
 
     wanted = min(max(RACE_MIN_BYTES, 2 * (last_level_cache_bytes() or 0)), RACE_MAX_BYTES)
-    return -(-wanted // RACE_MATRIX_BYTES) * RACE_MATRIX_BYTES
+    return -(-wanted // RACE_LAYER_BYTES) * RACE_LAYER_BYTES
 
 
-def race_matrices(dtype: torch.dtype, size: int | None = None) -> int:
-    """How many [3072, 576] `dtype` matrices hold `size` bytes' worth of the float32 ones (`race_bytes()`): the
-    same bytes in either dtype."""
-    return (size or race_bytes()) // RACE_MATRIX_BYTES * 4 // dtype.itemsize
+def race_weights(dtype: torch.dtype, size: int | None = None,
+                 generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """The race's `dtype` matrices, layer after layer of RACE_LAYER: `size` bytes' worth of float32 ones
+    (`race_bytes()`), the same bytes in either dtype."""
+    layers = (size or race_bytes()) // RACE_LAYER_BYTES * 4 // dtype.itemsize
+    return [torch.randn(*shape, generator=generator).to(dtype) for _ in range(layers) for shape in RACE_LAYER]
+
+
+def race_inputs(rows: int, dtype: torch.dtype, generator: torch.Generator | None = None) -> dict[int, torch.Tensor]:
+    """`rows` rows of x for each input width of RACE_LAYER, keyed by the width."""
+    return {n_in: torch.randn(rows, n_in, generator=generator).to(dtype) for n_in in dict.fromkeys(
+        n_in for _, n_in in RACE_LAYER)}
+
+
+def race_products(product: Callable, xs: dict[int, torch.Tensor], weights: list[torch.Tensor],
+                  operands: list[torch.Tensor] | None = None) -> Callable[[], list[torch.Tensor]]:
+    """A race item's work: `product(x, operand, weight)` over each weight (its operand: the weight itself, or its
+    panels), x of the weight's input width."""
+    pairs = list(zip(weights, operands or weights))
+    return lambda: [product(xs[weight.shape[1]], operand, weight) for weight, operand in pairs]
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -230,9 +252,10 @@ class CpuDecode:
 
     def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
         on_amx = " on AMX" if self.amx and dtype == torch.bfloat16 else ""  # the loops' panels are another race there
-        over = "" if race_bytes() == RACE_MIN_BYTES else f" over {race_bytes() // 2**20} MiB"  # a size of its own
+        shapes = "/".join(f"{n_out}x{n_in}" for n_out, n_in in RACE_LAYER)  # other matrices, another race
+        size = "" if race_bytes() == RACE_MIN_BYTES else f", {race_bytes() // 2**20} MiB"  # a size of its own
         return (f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
-                + on_amx + over)
+                + on_amx + f" over {shapes}{size}")
 
     @functools.cache
     def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:
@@ -492,27 +515,28 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     from colorl.verdicts import stable_race
 
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(race_matrices(dtype))]
+    weights = race_weights(dtype, generator=gen)
     packed = PackedLinears()
     packed.repack(weights)
     panels = [compiled.pack_panels(w) for w in weights]
-    xs = {rows: torch.randn(rows, 576, generator=gen).to(dtype) for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS)}
+    xs = {rows: race_inputs(rows, dtype, gen) for rows in (*range(1, MAX_ROWS + 1), *PANEL_RACE_ROWS)}
 
     def on_panels(x, count=len(weights)):
-        return lambda: [compiled.panel_linear(x, p, 3072, None) for p in panels[:count]]
+        return race_products(lambda x, p, w: compiled.panel_linear(x, p, w.shape[0], None), x, weights[:count],
+                             panels[:count])
 
     def on_rows_kernel(x):
-        return lambda: [compiled.linear(x, w, None) for w in weights]
+        return race_products(lambda x, w, _: compiled.linear(x, w, None), x, weights)
 
     few = stable_race({rows: (on_panels(xs[rows]), on_rows_kernel(xs[rows])) for rows in range(1, MAX_ROWS + 1)},
                       RACE_ROUNDS, margin=0.0)  # two of the loops, both exact: the faster in every pass
     loops, items = {}, {}
     for rows, x in xs.items():
-        count = len(weights) if rows <= MAX_PANEL_ROWS else 2  # a prefill's product is long enough on two
+        count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer
         over_panels = rows > MAX_ROWS or rows in few["won"]
         loops[str(rows)] = "panels" if over_panels else "rows kernel"
         ours = on_panels(x, count) if over_panels else on_rows_kernel(x)
-        other = lambda x=x, count=count: [packed.linear(x, w, None) for w in weights[:count]]
+        other = race_products(lambda x, w, _: packed.linear(x, w, None), x, weights[:count])
         items[rows] = (other, ours) if rows <= MAX_ROWS else (ours, other)  # (candidate, baseline)
     verdict = stable_race(items, RACE_ROUNDS)
     candidate_won = {str(rows) for rows in verdict["won"]}
