@@ -529,18 +529,23 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
             baseline()
         return {"won": sorted(won), "busy": False, "seconds": {str(rows): [[1.0, 2.0]] for rows in items}}
 
-    loop_calls, widths = [], set()
+    loop_calls, steps = [], []
     monkeypatch.setattr(verdicts, "stable_race", stable_race)
     for name in ("linear", "panel_linear"):
         monkeypatch.setattr(compiled, name, lambda *args, name=name, call=getattr(compiled, name):
-                            loop_calls.append(name) or widths.add((name, len(args[0]), args[0].shape[1])) or call(*args))
+                            loop_calls.append(name) or call(*args))
+    decode_layers = compiled.decode_layers
+    monkeypatch.setattr(compiled, "decode_layers", lambda x, layers, step, scratch, head: steps.append(
+        (len(x), bool(layers[0].p_qkv), bool(head.p))) or decode_layers(x, layers, step, scratch, head))
     verdict = cpu_decode.race_rows(compiled, torch.float32)
     few, many = set(range(1, cpu_decode.MAX_ROWS + 1)), set(cpu_decode.PANEL_RACE_ROWS)
-    # both loops stream short rows and long ones at every row count: over long rows x leaves L1 (bench/README.md)
+    # the loops a few rows take are raced as whole decode steps (products called one by one ranked them otherwise
+    # than the steps), every layer and the head over the panels, then all over the rows kernel; the layers hold
+    # short rows and long ones, over which x leaves L1 (bench/README.md)
+    assert steps == [(rows, over_panels, over_panels) for rows in sorted(few) for over_panels in (True, False)]
     assert {n_in for _, n_in in cpu_decode.RACE_LAYER} == {576, 1536}
-    assert widths >= {(name, rows, n_in) for name in ("linear", "panel_linear") for rows in few for n_in in (576, 1536)}
     assert races[0] == few and verdict["panel_rows"] == [3, 5]
-    assert margins == [0.0, verdicts.MARGIN]  # two of the loops: the faster wins; against oneDNN, only clearly
+    assert margins == [verdicts.MARGIN] * 2  # the panels and oneDNN each win only clearly
     candidates = calls[1]  # the loops are the candidate above MAX_ROWS only
     assert {rows for rows, loops in candidates.items() if loops == {"panel_linear"}} == many
     assert {rows for rows, loops in candidates.items() if not loops} == few
@@ -752,7 +757,8 @@ def test_a_race_streams_twice_the_last_level_cache(monkeypatch, cache_mib, raced
         library = cpu_decode.CpuDecode.__new__(cpu_decode.CpuDecode)
         library.build, library.amx = "b", False
         assert library.rows_verdict_name(torch.float32, 2).endswith(
-            "rows at 2 threads over 960x576/576x576/3072x576/576x1536" + ("" if raced_mib == 81 else f", {size // 2**20} MiB"))
+            "rows at 2 threads over steps of 960x576/576x576/3072x576/576x1536"
+            + ("" if raced_mib == 81 else f", {size // 2**20} MiB"))
     finally:
         cpu_decode.race_bytes.cache_clear()
 
@@ -769,3 +775,17 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
     assert last_level_cache_bytes(str(tmp_path / "cache")) == 300 * 2**20
     (tmp_path / "cache" / "index3" / "size").write_text("garbage\n")  # unreadable: the level below
     assert last_level_cache_bytes.__wrapped__(str(tmp_path / "cache")) == 2 * 2**20
+
+
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_a_raced_step_gives_the_same_logits_over_the_panels_and_the_rows_kernel(compiled, dtype):
+    """The race's two decode steps differ in their loops only: same layers, same inputs, the same logits (to the
+    sums' order), finite, on weights scaled so that a layer's outputs stay about unit."""
+    gen = torch.Generator().manual_seed(0)
+    weights = cpu_decode.race_weights(dtype, cpu_decode.RACE_LAYER_BYTES, gen)[:2 * len(cpu_decode.RACE_LAYER)]
+    panels = [compiled.pack_panels(w) for w in weights]
+    over_panels, over_rows_kernel = cpu_decode.race_steps(compiled, dtype, weights, panels, 3, gen)
+    first, second = over_panels(), over_rows_kernel()
+    assert first.shape == (3, cpu_decode.RACE_VOCAB) and first.isfinite().all()
+    torch.testing.assert_close(first, second, **TOLERANCE[dtype])
+    torch.testing.assert_close(over_panels(), first, rtol=0, atol=0)  # each step from the same stream

@@ -36,12 +36,18 @@ _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what C
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
-# The race streams decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and
-# down projections ([out, in]). Kernels rank differently over them: over the down projection's long rows (K = 1536)
-# 8 rows of x (48 KB in float32) leave L1 and the rows kernel reads them from L2 again for every weight row. On a
-# Zen 4 at two threads it tied with the panels over [3072, 576] alone, the race's matrix until then, and got 8
-# rows; the decode step then took 1.23x the panels' (bench/README.md, "The race over a decoder layer's products").
-RACE_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+# The race runs decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and down
+# projections ([out, in]), with each sequence's attention over RACE_CONTEXT tokens. Kernels rank differently over
+# them: over the down projection's long rows (K = 1536) 8 rows of x (48 KB in float32) leave L1 and the rows kernel
+# reads them from L2 again for every weight row. On a Zen 4 at two threads it tied with the panels over [3072, 576]
+# alone, the race's matrix until then, and got 8 rows; the decode step then took 1.23x the panels'
+# (bench/README.md, "The race over whole decode steps").
+RACE_MODEL = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536}
+_C, _H, _HKV, _D, _I = RACE_MODEL.values()
+RACE_LAYER = (((_H + 2 * _HKV) * _D, _C), (_C, _H * _D), (2 * _I, _C), (_C, _I))
+RACE_CONTEXT = 64  # each raced sequence's context, in tokens
+RACE_VOCAB = 8192  # the raced steps' LM head: about a fifth of their bytes, as SmolLM2's is of its steps'
+RACE_BLOCK = 16  # tokens per KV block in the raced steps
 RACE_LAYER_BYTES = 4 * sum(n_out * n_in for n_out, n_in in RACE_LAYER)  # one layer in float32, 14 MB
 RACE_MIN_BYTES = 6 * RACE_LAYER_BYTES  # 85 MB: more than most last-level caches hold
 RACE_MAX_BYTES = 2**30
@@ -63,9 +69,14 @@ def race_bytes() -> int:
 def race_weights(dtype: torch.dtype, size: int | None = None,
                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """The race's `dtype` matrices, layer after layer of RACE_LAYER: `size` bytes' worth of float32 ones
-    (`race_bytes()`), the same bytes in either dtype."""
+    (`race_bytes()`), the same bytes in either dtype. On small pages the rows kernel streamed them slower than the
+    panels (which are on huge pages), and won fewer row counts than it wins in the engine's steps."""
     layers = (size or race_bytes()) // RACE_LAYER_BYTES * 4 // dtype.itemsize
-    return [torch.randn(*shape, generator=generator).to(dtype) for _ in range(layers) for shape in RACE_LAYER]
+    weights = []
+    for shape in RACE_LAYER * layers:  # on huge pages, as the engine's weights and every matrix's panels are
+        weights.append(mapped_empty(shape, dtype, huge=True))
+        weights[-1].copy_(torch.randn(*shape, generator=generator) * _C**-0.5)  # a layer's outputs stay about unit
+    return weights
 
 
 def race_inputs(rows: int, dtype: torch.dtype, generator: torch.Generator | None = None) -> dict[int, torch.Tensor]:
@@ -193,6 +204,52 @@ def _timed(kind: str):
     return wrap
 
 
+def race_steps(compiled: "CpuDecode", dtype: torch.dtype, weights: list[torch.Tensor], panels: list[torch.Tensor],
+               rows: int, generator: torch.Generator | None = None) -> tuple[Callable[[], torch.Tensor], ...]:
+    """Whole decode steps of `rows` sequences over the race's layers (`weights`, RACE_LAYER after RACE_LAYER), each
+    sequence attending to RACE_CONTEXT tokens, then a RACE_VOCAB-row LM head: the layers' and the logits' one
+    compiled call (`decode_layers`), as a step runs them, over the matrices' `panels` and over the rows kernel, in
+    that order. Products called one by one from Python ranked the two loops otherwise than the engine's steps at
+    close row counts (bench/README.md)."""
+    layers = len(weights) // len(RACE_LAYER)
+    per_sequence = -(-(RACE_CONTEXT + 1) // RACE_BLOCK)  # blocks
+    slots = rows * per_sequence * RACE_BLOCK
+    caches = [(torch.randn(slots, 2, _HKV, _D, generator=generator)).to(dtype) for _ in range(layers)]
+    norm = torch.ones(_C, dtype=dtype)
+    angles = torch.rand(RACE_CONTEXT + 1, _D, generator=generator)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    tables = torch.arange(rows * per_sequence, dtype=torch.int64).reshape(rows, per_sequence)
+    lengths = torch.full((rows,), RACE_CONTEXT + 1, dtype=torch.int64)
+    positions = torch.full((rows,), RACE_CONTEXT, dtype=torch.int64)
+    write_at = tables[:, RACE_CONTEXT // RACE_BLOCK] * RACE_BLOCK + RACE_CONTEXT % RACE_BLOCK
+    step = DecodeStep(tokens=rows, hidden=_C, heads=_H, kv_heads=_HKV, head_dim=_D, intermediate=_I,
+                      width=per_sequence, block_size=RACE_BLOCK, num_slots=slots, num_positions=RACE_CONTEXT + 1,
+                      cos=cos.data_ptr(), sin=sin.data_ptr(), positions=positions.data_ptr(),
+                      slots=write_at.data_ptr(), tables=tables.data_ptr(), lengths=lengths.data_ptr(), eps=1e-5,
+                      scale=_D**-0.5, threads=torch.get_num_threads())
+    head = mapped_empty((RACE_VOCAB, _C), dtype, huge=True)
+    head.copy_(torch.randn(RACE_VOCAB, _C, generator=generator) * _C**-0.5)
+    head_panels = compiled.pack_panels(head)
+    heads = (head_tensors(dtype, norm, head, head_panels), head_tensors(dtype, norm, head, None))
+    x0 = torch.randn(rows, _C, generator=generator).to(dtype)
+    x, scratch = x0.clone(), torch.empty(decode_scratch_values(step, heads[0], dtype), dtype=dtype)
+    names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+    def array(over_panels: bool) -> ctypes.Array:
+        return (DecodeLayer * layers)(*[
+            layer_tensors(dtype, cache, dict(zip(names, panels[4 * i:4 * i + 4])) if over_panels else None,
+                          input_norm=norm, post_norm=norm, **dict(zip(names, weights[4 * i:4 * i + 4])))
+            for i, cache in enumerate(caches)])
+
+    def run(layer_array: ctypes.Array, head_of: DecodeHead) -> Callable[[], torch.Tensor]:
+        # the default keeps alive what the step's and the layers' raw pointers point into
+        def decode(_pointed_to=(caches, norm, cos, sin, tables, lengths, positions, write_at, head, head_panels)):
+            x.copy_(x0)  # each step from the same stream
+            return compiled.decode_layers(x, layer_array, step, scratch, head_of)
+        return decode
+    return run(array(True), heads[0]), run(array(False), heads[1])
+
+
 class CpuDecode:
     """The compiled library, called on contiguous CPU tensors of one of DTYPES (the caller checks);
     cos/sin tables are float32 in either."""
@@ -252,10 +309,10 @@ class CpuDecode:
 
     def rows_verdict_name(self, dtype: torch.dtype, threads: int) -> str:
         on_amx = " on AMX" if self.amx and dtype == torch.bfloat16 else ""  # the loops' panels are another race there
-        shapes = "/".join(f"{n_out}x{n_in}" for n_out, n_in in RACE_LAYER)  # other matrices, another race
+        shapes = "/".join(f"{n_out}x{n_in}" for n_out, n_in in RACE_LAYER)  # another layer, another race
         size = "" if race_bytes() == RACE_MIN_BYTES else f", {race_bytes() // 2**20} MiB"  # a size of its own
         return (f"cpu_decode {self.build} rows at {threads} threads" + ("" if dtype == torch.float32 else f" {dtype}")
-                + on_amx + f" over {shapes}{size}")
+                + on_amx + f" over steps of {shapes}{size}")
 
     @functools.cache
     def _rows_verdict(self, dtype: torch.dtype, threads: int) -> dict:
@@ -501,10 +558,13 @@ def between_raced(won: frozenset[int]) -> frozenset[int]:
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     """Which product the engine runs at each row count, over weights that do not fit in cache, as a decode step
     streams them (colorl.verdicts.stable_race: a candidate wins a row count in every pass). First, at
-    1..MAX_ROWS rows, the panels against the rows kernel (`panel_rows`: which of the two loops a few rows take;
-    which wins moves with the CPU's loads per cycle and registers, bench/rows_stream.py), the faster in every
-    pass by any margin: neither is a safer default, and a 5 % margin gave bf16's 1 row on the Xeon to the rows
-    kernel in one race of three though the panels won every pass, by 3.5-14 %. Then the loop
+    1..MAX_ROWS rows, whole decode steps (`race_steps`) over the panels against over the rows kernel (`panel_rows`:
+    which of the two loops a few rows take; which wins moves with the CPU's loads per cycle and registers,
+    bench/rows_stream.py); the panels must win by MARGIN in every pass, a near tie stays with the rows kernel. On a
+    Zen 4 the races that gave near ties to the panels (by 2-17 %, over products or steps) were wrong each time the
+    engine's own step was timed: fp32 at 1 and 5 rows, bf16 at 1 row, one thread, each 11-13 % slower on the
+    panels (bench/README.md). On the Xeon a margin has given bf16's 1 row to the rows kernel in one race of three
+    where the panels won every pass by 3.5-14 %. Then the loop
     a row count takes (`loops`: that winner up to MAX_ROWS, the panels at PANEL_RACE_ROWS) against the
     engine's other product (`won`: where the loops run), so that `seconds` holds the times of what a step runs
     (VerdictWatch), each pass's [loops, other]. Up to MAX_ROWS the other product must be the clear winner: a
@@ -512,7 +572,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     show what that saves: on a Xeon at two threads, MKL's products at 1 row tied with the loops' and its
     step took 1.6x the memory floor, bench/README.md); above, the loops must be."""
     from colorl.kernels import PackedLinears
-    from colorl.verdicts import stable_race
+    from colorl.verdicts import MARGIN, stable_race
 
     gen = torch.Generator().manual_seed(0)
     weights = race_weights(dtype, generator=gen)
@@ -528,8 +588,8 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     def on_rows_kernel(x):
         return race_products(lambda x, w, _: compiled.linear(x, w, None), x, weights)
 
-    few = stable_race({rows: (on_panels(xs[rows]), on_rows_kernel(xs[rows])) for rows in range(1, MAX_ROWS + 1)},
-                      RACE_ROUNDS, margin=0.0)  # two of the loops, both exact: the faster in every pass
+    few = stable_race({rows: race_steps(compiled, dtype, weights, panels, rows, gen)
+                       for rows in range(1, MAX_ROWS + 1)}, RACE_ROUNDS)  # two of the loops, both exact: the panels only where they clearly win
     loops, items = {}, {}
     for rows, x in xs.items():
         count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer
@@ -545,7 +605,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
                for item, passes in verdict["seconds"].items()}
     return {**verdict, "won": won, "seconds": seconds, "panel_rows": few["won"], "loops": loops,
             "busy": verdict["busy"] or few["busy"], "panel_seconds": few["seconds"], "ties_to_loops_up_to": MAX_ROWS,
-            "panel_margin": 0.0}
+            "panel_margin": MARGIN}
 
 
 class PanelCopies:
