@@ -588,8 +588,9 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     def on_rows_kernel(x):
         return race_products(lambda x, w, _: compiled.linear(x, w, None), x, weights)
 
+    # two of the loops, both exact: the panels only where they clearly win
     few = stable_race({rows: race_steps(compiled, dtype, weights, panels, rows, gen)
-                       for rows in range(1, MAX_ROWS + 1)}, RACE_ROUNDS)  # two of the loops, both exact: the panels only where they clearly win
+                       for rows in range(1, MAX_ROWS + 1)}, RACE_ROUNDS)
     loops, items = {}, {}
     for rows, x in xs.items():
         count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer
