@@ -784,7 +784,7 @@ def test_a_raced_step_gives_the_same_logits_over_the_panels_and_the_rows_kernel(
     gen = torch.Generator().manual_seed(0)
     weights = cpu_decode.race_weights(dtype, cpu_decode.RACE_LAYER_BYTES, gen)[:2 * len(cpu_decode.RACE_LAYER)]
     panels = [compiled.pack_panels(w) for w in weights]
-    over_panels, over_rows_kernel = cpu_decode.race_steps(compiled, dtype, weights, panels, 3, gen)
+    over_panels, over_rows_kernel = cpu_decode.race_steps(compiled, dtype, weights, panels, (1, 3), gen)[3]
     first, second = over_panels(), over_rows_kernel()
     assert first.shape == (3, cpu_decode.RACE_VOCAB) and first.isfinite().all()
     torch.testing.assert_close(first, second, **TOLERANCE[dtype])

@@ -23,7 +23,7 @@ import ctypes
 import functools
 import os
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -36,6 +36,7 @@ _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what C
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
 PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
+LAYER_MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a layer's matrices, each with its panels for many rows
 # The race runs decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and down
 # projections ([out, in]), with each sequence's attention over RACE_CONTEXT tokens. Kernels rank differently over
 # them: over the down projection's long rows (K = 1536) 8 rows of x (48 KB in float32) leave L1 and the rows kernel
@@ -72,11 +73,15 @@ def race_weights(dtype: torch.dtype, size: int | None = None,
     (`race_bytes()`), the same bytes in either dtype. On small pages the rows kernel streamed them slower than the
     panels (which are on huge pages), and won fewer row counts than it wins in the engine's steps."""
     layers = (size or race_bytes()) // RACE_LAYER_BYTES * 4 // dtype.itemsize
-    weights = []
-    for shape in RACE_LAYER * layers:  # on huge pages, as the engine's weights and every matrix's panels are
-        weights.append(mapped_empty(shape, dtype, huge=True))
-        weights[-1].copy_(torch.randn(*shape, generator=generator) * _C**-0.5)  # a layer's outputs stay about unit
-    return weights
+    return [_race_matrix(shape, dtype, generator) for shape in RACE_LAYER * layers]
+
+
+def _race_matrix(shape: tuple[int, int], dtype: torch.dtype, generator: torch.Generator | None) -> torch.Tensor:
+    """A random race matrix on huge pages, as the engine's weights and every matrix's panels are, scaled so that a
+    layer's outputs stay about unit."""
+    matrix = mapped_empty(shape, dtype, huge=True)
+    matrix.copy_(torch.randn(*shape, generator=generator) * _C**-0.5)
+    return matrix
 
 
 def race_inputs(rows: int, dtype: torch.dtype, generator: torch.Generator | None = None) -> dict[int, torch.Tensor]:
@@ -205,49 +210,50 @@ def _timed(kind: str):
 
 
 def race_steps(compiled: "CpuDecode", dtype: torch.dtype, weights: list[torch.Tensor], panels: list[torch.Tensor],
-               rows: int, generator: torch.Generator | None = None) -> tuple[Callable[[], torch.Tensor], ...]:
-    """Whole decode steps of `rows` sequences over the race's layers (`weights`, RACE_LAYER after RACE_LAYER), each
-    sequence attending to RACE_CONTEXT tokens, then a RACE_VOCAB-row LM head: the layers' and the logits' one
-    compiled call (`decode_layers`), as a step runs them, over the matrices' `panels` and over the rows kernel, in
-    that order. Products called one by one from Python ranked the two loops otherwise than the engine's steps at
-    close row counts (bench/README.md)."""
+               counts: Iterable[int], generator: torch.Generator | None = None) -> dict[int, tuple[Callable, Callable]]:
+    """For each row count, whole decode steps of that many sequences over the race's layers (`weights`, RACE_LAYER
+    after RACE_LAYER), each sequence attending to RACE_CONTEXT tokens, then a RACE_VOCAB-row LM head: the layers'
+    and the logits' one compiled call (`decode_layers`), as a step runs them, over the matrices' `panels` and over
+    the rows kernel, in that order. Products called one by one from Python ranked the two loops otherwise than the
+    engine's steps at close row counts (bench/README.md). The counts share the caches, the head and the layers."""
+    counts = list(counts)
     layers = len(weights) // len(RACE_LAYER)
     per_sequence = -(-(RACE_CONTEXT + 1) // RACE_BLOCK)  # blocks
-    slots = rows * per_sequence * RACE_BLOCK
-    caches = [(torch.randn(slots, 2, _HKV, _D, generator=generator)).to(dtype) for _ in range(layers)]
+    slots = max(counts) * per_sequence * RACE_BLOCK
+    caches = [torch.randn(slots, 2, _HKV, _D, generator=generator).to(dtype) for _ in range(layers)]
     norm = torch.ones(_C, dtype=dtype)
     angles = torch.rand(RACE_CONTEXT + 1, _D, generator=generator)
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
-    tables = torch.arange(rows * per_sequence, dtype=torch.int64).reshape(rows, per_sequence)
-    lengths = torch.full((rows,), RACE_CONTEXT + 1, dtype=torch.int64)
-    positions = torch.full((rows,), RACE_CONTEXT, dtype=torch.int64)
-    write_at = tables[:, RACE_CONTEXT // RACE_BLOCK] * RACE_BLOCK + RACE_CONTEXT % RACE_BLOCK
-    step = DecodeStep(tokens=rows, hidden=_C, heads=_H, kv_heads=_HKV, head_dim=_D, intermediate=_I,
-                      width=per_sequence, block_size=RACE_BLOCK, num_slots=slots, num_positions=RACE_CONTEXT + 1,
-                      cos=cos.data_ptr(), sin=sin.data_ptr(), positions=positions.data_ptr(),
-                      slots=write_at.data_ptr(), tables=tables.data_ptr(), lengths=lengths.data_ptr(), eps=1e-5,
-                      scale=_D**-0.5, threads=torch.get_num_threads())
-    head = mapped_empty((RACE_VOCAB, _C), dtype, huge=True)
-    head.copy_(torch.randn(RACE_VOCAB, _C, generator=generator) * _C**-0.5)
+    head = _race_matrix((RACE_VOCAB, _C), dtype, generator)
     head_panels = compiled.pack_panels(head)
     heads = (head_tensors(dtype, norm, head, head_panels), head_tensors(dtype, norm, head, None))
-    x0 = torch.randn(rows, _C, generator=generator).to(dtype)
-    x, scratch = x0.clone(), torch.empty(decode_scratch_values(step, heads[0], dtype), dtype=dtype)
-    names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+    arrays = tuple((DecodeLayer * layers)(*[
+        layer_tensors(dtype, cache, dict(zip(LAYER_MATRICES, panels[4 * i:4 * i + 4])) if over_panels else None,
+                      input_norm=norm, post_norm=norm, **dict(zip(LAYER_MATRICES, weights[4 * i:4 * i + 4])))
+        for i, cache in enumerate(caches)]) for over_panels in (True, False))
+    shared = (caches, norm, cos, sin, head, head_panels)  # what the layers' and the heads' raw pointers point into
 
-    def array(over_panels: bool) -> ctypes.Array:
-        return (DecodeLayer * layers)(*[
-            layer_tensors(dtype, cache, dict(zip(names, panels[4 * i:4 * i + 4])) if over_panels else None,
-                          input_norm=norm, post_norm=norm, **dict(zip(names, weights[4 * i:4 * i + 4])))
-            for i, cache in enumerate(caches)])
+    def steps_of(rows: int) -> tuple[Callable, Callable]:
+        tables = torch.arange(rows * per_sequence, dtype=torch.int64).reshape(rows, per_sequence)
+        lengths = torch.full((rows,), RACE_CONTEXT + 1, dtype=torch.int64)
+        positions = torch.full((rows,), RACE_CONTEXT, dtype=torch.int64)
+        write_at = tables[:, RACE_CONTEXT // RACE_BLOCK] * RACE_BLOCK + RACE_CONTEXT % RACE_BLOCK
+        step = DecodeStep(tokens=rows, hidden=_C, heads=_H, kv_heads=_HKV, head_dim=_D, intermediate=_I,
+                          width=per_sequence, block_size=RACE_BLOCK, num_slots=slots, num_positions=RACE_CONTEXT + 1,
+                          cos=cos.data_ptr(), sin=sin.data_ptr(), positions=positions.data_ptr(),
+                          slots=write_at.data_ptr(), tables=tables.data_ptr(), lengths=lengths.data_ptr(), eps=1e-5,
+                          scale=_D**-0.5, threads=torch.get_num_threads())
+        x0 = torch.randn(rows, _C, generator=generator).to(dtype)
+        x, scratch = x0.clone(), torch.empty(decode_scratch_values(step, heads[0], dtype), dtype=dtype)
 
-    def run(layer_array: ctypes.Array, head_of: DecodeHead) -> Callable[[], torch.Tensor]:
-        # the default keeps alive what the step's and the layers' raw pointers point into
-        def decode(_pointed_to=(caches, norm, cos, sin, tables, lengths, positions, write_at, head, head_panels)):
-            x.copy_(x0)  # each step from the same stream
-            return compiled.decode_layers(x, layer_array, step, scratch, head_of)
-        return decode
-    return run(array(True), heads[0]), run(array(False), heads[1])
+        def run(over_panels: int) -> Callable[[], torch.Tensor]:
+            # the default keeps alive what the step's raw pointers point into
+            def decode(_pointed_to=(shared, tables, lengths, positions, write_at)) -> torch.Tensor:
+                x.copy_(x0)  # each step from the same stream
+                return compiled.decode_layers(x, arrays[over_panels], step, scratch, heads[over_panels])
+            return decode
+        return run(0), run(1)
+    return {rows: steps_of(rows) for rows in counts}
 
 
 class CpuDecode:
@@ -589,8 +595,7 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
         return race_products(lambda x, w, _: compiled.linear(x, w, None), x, weights)
 
     # two of the loops, both exact: the panels only where they clearly win
-    few = stable_race({rows: race_steps(compiled, dtype, weights, panels, rows, gen)
-                       for rows in range(1, MAX_ROWS + 1)}, RACE_ROUNDS)
+    few = stable_race(race_steps(compiled, dtype, weights, panels, range(1, MAX_ROWS + 1), gen), RACE_ROUNDS)
     loops, items = {}, {}
     for rows, x in xs.items():
         count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer

@@ -351,7 +351,7 @@ class DecoderLayer(nn.Module):
         panels = None
         if on_panels:
             copies = self.mlp.linears.panels
-            panels = {name: copies.of(tensors[name], compiled) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+            panels = {name: copies.of(tensors[name], compiled) for name in cpu_decode.LAYER_MATRICES}
         return cpu_decode.layer_tensors(cache.dtype, cache, panels, **tensors)
 
 
