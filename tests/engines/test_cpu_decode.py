@@ -414,6 +414,21 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
         torch.set_num_threads(threads)
 
 
+def test_decode_steps_are_checked_against_the_rows_verdict_at_most_once_in_observe_every_s(compiled, monkeypatch):
+    """The check of a step against its rows verdict runs from cold caches; a run pays for it at most once in
+    OBSERVE_EVERY_S, whatever the steps' rate."""
+    clock = [100.0]
+    monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    due = []
+    for _ in range(10):  # ten steps a tenth of the interval apart, then one a whole interval later
+        due.append(library.observation_due())
+        clock[0] += cpu_decode.OBSERVE_EVERY_S / 10
+    clock[0] += cpu_decode.OBSERVE_EVERY_S
+    due.append(library.observation_due())
+    assert due == [True] + [False] * 9 + [True]
+
+
 @pytest.mark.parametrize("raced_seconds, contradicted", [(1e-12, True), (1e3, False)])
 def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_next_process(
         compiled, tiny_model_dir, tmp_path, monkeypatch, raced_seconds, contradicted):
@@ -438,6 +453,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_MIN_BYTES", 1)  # the tiny model's weights count as a stream from memory
+    monkeypatch.setattr(cpu_decode, "OBSERVE_EVERY_S", 0.0)  # every step checked: the tiny model's take microseconds
     monkeypatch.setattr(machine, "last_level_cache_bytes", lambda: None)
     monkeypatch.setattr(verdicts, "OthersLoad", lambda: types.SimpleNamespace(cores=lambda: 0.0))  # quiet
     monkeypatch.setattr(verdicts, "machine_busy", lambda: False)
@@ -677,14 +693,15 @@ def test_compiled_sampler_draws_what_the_torch_sampler_draws(compiled, vocab):
     expected, expected_logps = Sampler._inverse_cdf_two_level(logits, u[:, None])
     for threads in (1, 2):
         with pinned(threads):
-            tokens, logps = compiled.sample_plain(logits, u)
+            tokens, logps = compiled.sample_plain(logits, u.tolist())
+        tokens, logps = torch.tensor(tokens), torch.tensor(logps)
         assert (tokens == expected).float().mean() > 0.99
         same = tokens == expected
         torch.testing.assert_close(logps[same], expected_logps[same], atol=2e-5, rtol=1e-5)
         assert ((tokens >= 0) & (tokens < vocab)).all()
     edges = torch.tensor([1.0, 1e-300], dtype=torch.float64)  # the last token's mass; the first token
-    tokens, _ = compiled.sample_plain(torch.zeros(2, vocab), edges)
-    assert tokens.tolist() == [vocab - 1, 0]
+    tokens, _ = compiled.sample_plain(torch.zeros(2, vocab), edges.tolist())
+    assert tokens == [vocab - 1, 0]
 
 
 def test_engine_samples_through_the_compiled_sampler_only_with_the_loops(compiled, tiny_model_dir, monkeypatch):

@@ -239,9 +239,13 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
  * Widening each weight to float32 costs more than streaming it, so the loops avoid it:
  * - on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids), from 2 rows on, vdpbf16ps multiplies and
  *   adds bf16 pairs in one instruction (1.6-1.8x the widening loop at 3-8 rows);
- * - elsewhere, and at 1 row, 16 weights load as 8 32-bit words whose high halves are the odd
+ * - elsewhere, 16 weights load as 8 32-bit words whose high halves are the odd
  *   weights and whose low halves, shifted up, the even ones (two integer ops for 16 weights);
- *   x is laid out once per call to match: per 16 values, the 8 even then the 8 odd, in float32. */
+ *   x is laid out once per call to match: per 16 values, the 8 even then the 8 odd, in float32.
+ * One row (row_sums_bf16_1) keeps four sums and asks for no lines ahead, as the float32 rows kernel below 3
+ * rows: with two sums, each 32 bytes of weights waited on one FMA's latency (8 bytes a cycle, 27-29 GB/s on a
+ * Zen 4 core whose plain sum reads 29-33), and prefetching 8 KB ahead cost the stream 3-7 % more there
+ * (bench/rows_stream.py, bench/README.md). */
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
 #endif
@@ -286,7 +290,7 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
     static inline void row_sums_bf16_##B(const uint16_t *x16, const float *xeo, const uint16_t *wr, \
                                          int64_t K, float *s) {                                    \
         int64_t k = 0;                                                                             \
-        if (HAVE_DPBF16 && B >= 2) {                                                               \
+        if (HAVE_DPBF16) {                                                                         \
             DPBF16_LOOP(B)                                                                         \
         } else {                                                                                   \
             v8 acc[B][2];                                                                          \
@@ -329,7 +333,43 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
 #define DPBF16_LOOP(B)
 #endif
 
-ROW_SUMS_BF16(1)
+/* The weights' row n against one row of x: four independent sums, no software prefetch (above). */
+static inline void row_sums_bf16_1(const uint16_t *x16, const float *xeo, const uint16_t *wr, int64_t K, float *s) {
+    int64_t k = 0;
+#if HAVE_DPBF16
+    (void)xeo;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; k + 64 <= K; k += 64)
+        for (int i = 0; i < 4; i++)
+            acc[i] = _mm256_dpbf16_ps(acc[i], (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16 * i)),
+                                      (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + k + 16 * i)));
+    for (; k + 16 <= K; k += 16)
+        acc[0] = _mm256_dpbf16_ps(acc[0], (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k)),
+                                  (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + k)));
+    v8 sums[4];
+    memcpy(sums, acc, sizeof sums);
+#else
+    v8 sums[4] = {{0}};
+    for (; k + 32 <= K; k += 32) {
+        v8 even0, odd0, even1, odd1;
+        even_odd8(wr + k, &even0, &odd0);
+        even_odd8(wr + k + 16, &even1, &odd1);
+        sums[0] += even0 * load8(xeo + k);
+        sums[1] += odd0 * load8(xeo + k + 8);
+        sums[2] += even1 * load8(xeo + k + 16);
+        sums[3] += odd1 * load8(xeo + k + 24);
+    }
+    for (; k + 16 <= K; k += 16) {
+        v8 even, odd;
+        even_odd8(wr + k, &even, &odd);
+        sums[0] += even * load8(xeo + k);
+        sums[1] += odd * load8(xeo + k + 8);
+    }
+#endif
+    s[0] = hsum8((sums[0] + sums[1]) + (sums[2] + sums[3]));
+    for (int64_t j = k; j < K; j++) s[0] += bf16_to_float(wr[j]) * bf16_to_float(x16[j]);
+}
+
 ROW_SUMS_BF16(2)
 ROW_SUMS_BF16(3)
 ROW_SUMS_BF16(4)
@@ -366,7 +406,7 @@ int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
                        int64_t N, int64_t K, int threads) {
     if (B < 1 || B > 8) return COLORL_BAD_ROWS;
     float *xeo = NULL;
-    if (!HAVE_DPBF16 || B == 1) { /* the even/odd layout of x's whole 16-value chunks */
+    if (!HAVE_DPBF16) { /* the even/odd layout of x's whole 16-value chunks */
         xeo = malloc(sizeof(float) * B * K);
         if (!xeo) return COLORL_NO_MEMORY;
         for (int64_t b = 0; b < B; b++)

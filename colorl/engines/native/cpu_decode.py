@@ -51,6 +51,10 @@ RACE_VOCAB = 8192  # the raced steps' LM head: about a fifth of their bytes, as 
 RACE_BLOCK = 16  # tokens per KV block in the raced steps
 RACE_LAYER_BYTES = 4 * sum(n_out * n_in for n_out, n_in in RACE_LAYER)  # one layer in float32, 14 MB
 RACE_MIN_BYTES = 6 * RACE_LAYER_BYTES  # 85 MB: more than most last-level caches hold
+# A run's decode steps are checked against their rows verdict (observe_decode) at most once in this many seconds:
+# a check after a step that streamed the weights runs from cold caches, 0.1 ms, 1 % of a batch-1 step, and a
+# window of VerdictWatch's five timings still fills in well under its ten seconds.
+OBSERVE_EVERY_S = 0.05
 RACE_MAX_BYTES = 2**30
 RACE_ROUNDS = 3
 
@@ -271,6 +275,7 @@ class CpuDecode:
                 function.argtypes, function.restype = args, result
         self._sample_plain = library.colorl_sample_plain  # float32 logits only
         self._sample_plain.argtypes, self._sample_plain.restype = [_p, _i64, _i64, _p, _p, _p, _int], _int
+        self._observed_at = float("-inf")  # perf_counter of the last step observe_decode checked
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
@@ -351,6 +356,14 @@ class CpuDecode:
 
         return VerdictWatch(self.rows_verdict_name(dtype, threads), self._rows_verdict(dtype, threads))
 
+    def observation_due(self) -> bool:
+        """Whether the decode step just run is one to check (`observe_decode`): at most one in OBSERVE_EVERY_S."""
+        now = time.perf_counter()
+        if now - self._observed_at < OBSERVE_EVERY_S:
+            return False
+        self._observed_at = now
+        return True
+
     def observe_decode(self, dtype: torch.dtype, rows: int, seconds: float, weight_bytes: int,
                        kv_bytes: Callable[[], int]) -> None:
         """A decode step's `seconds` over its layers, at `rows` sequences, checked against the rows verdict it ran
@@ -358,9 +371,9 @@ class CpuDecode:
         weights no cache holds, and such a step streams its layers' weights and each sequence's K/V once, the rest
         of its work (norms, RoPE, calls) small beside that; so the step counts as the race's work at the bytes per
         second it streamed. Steps over weights a cache holds (or fewer than RACE_MIN_BYTES, whose calls weigh
-        more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is."""
+        more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is. The caller asks
+        `observation_due` first."""
         from colorl.machine import last_level_cache_bytes
-
         if (weight_bytes < max(RACE_MIN_BYTES, last_level_cache_bytes() or 0) or dtype not in DTYPES
                 or forced_rows() is not None or forced_panel_rows() is not None):
             return
@@ -456,19 +469,20 @@ class CpuDecode:
         return out
 
 
-    def sample_plain(self, z: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_plain(self, z: torch.Tensor, u: list[float]) -> tuple[list[int], list[float]]:
         """Per row of z [N, V] (float32 logits, already divided by the row's temperature), the token drawn
-        from softmax(z) at u [N] (float64, in (0, 1]) by inverse CDF in vocabulary order, and its log-prob:
-        sampler.py's `Sampler._inverse_cdf_two_level`, the same steps in one call, equal to float32 rounding."""
+        from softmax(z) at u[row] (in (0, 1]) by inverse CDF in vocabulary order, and its log-prob:
+        sampler.py's `Sampler._inverse_cdf_two_level`, the same steps in one call, equal to float32 rounding.
+        u in and the draws out are Python numbers, with no tensor made around the call: after a decode step has
+        streamed its weights every torch call runs from cold caches (0.1 ms for a `torch.tensor` on a Zen 4)."""
         check_tensors(torch.float32, z=z)
-        check_tensors(torch.float64, u=u)
-        if z.dim() != 2 or u.shape != z.shape[:1]:
-            raise ValueError(f"compiled sample_plain: z {tuple(z.shape)} and u {tuple(u.shape)} do not agree")
-        tokens = torch.empty(z.shape[0], dtype=torch.int64)
-        logps = torch.empty(z.shape[0], dtype=torch.float32)
-        _raise_for(self._sample_plain(_ptr(z), z.shape[0], z.shape[1], _ptr(u), _ptr(tokens), _ptr(logps),
+        rows = len(u)
+        if z.dim() != 2 or z.shape[0] != rows:
+            raise ValueError(f"compiled sample_plain: z {tuple(z.shape)} and {rows} draws do not agree")
+        tokens, logps = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
+        _raise_for(self._sample_plain(_ptr(z), rows, z.shape[1], (ctypes.c_double * rows)(*u), tokens, logps,
                                       torch.get_num_threads()))
-        return tokens, logps
+        return list(tokens), list(logps)
 
     def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, step: DecodeStep, scratch: torch.Tensor,
                       head: DecodeHead | None = None) -> torch.Tensor:

@@ -454,6 +454,8 @@ class CausalLM(nn.Module):
         """Hands a step of one-token decodes' time over its layers (and the LM head, when the same call ran it) to
         the check of the rows verdict it ran by (`CpuDecode.observe_decode`), with the bytes they streamed: their
         weights, each sequence's K/V."""
+        if not compiled.observation_due():  # first: after the step's stream every object this reads is cold
+            return
         group = step.groups[0] if len(step.groups) == 1 else None
         if group is None or group.lengths is None or group.batch > cpu_decode.MAX_ROWS:
             return

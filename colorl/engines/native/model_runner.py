@@ -212,4 +212,5 @@ class ModelRunner:
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        made = torch.tensor(values, dtype=torch.long)
+        return made if self.device.type == "cpu" else made.to(self.device, non_blocking=True)

@@ -56,6 +56,8 @@ class Sampler:
         # each row's order depends only on its own params, never on its neighbours'.
         plain = [i for i, r in enumerate(rows) if r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0]
         if len(plain) == len(rows):  # a rollout's usual step: no row to pick out or put back
+            if all(r.temperature == 1.0 for r in rows) and self._compiled_draws(logits, compiled):  # z as it is
+                return compiled.sample_plain(logits, [uniform(r.seed, r.index) for r in rows])
             chosen, logp = self._sample(logits, rows, False, compiled)
             return chosen.tolist(), logp.tolist()
         greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
@@ -84,8 +86,9 @@ class Sampler:
         temperatures = [r.temperature for r in rows]
         z = logits if all(t == 1.0 for t in temperatures) else logits / torch.tensor(temperatures, device=device)[:, None]
         if not filtered:
-            if compiled is not None and z.device.type == "cpu" and z.is_contiguous():
-                return compiled.sample_plain(z, u.squeeze(-1))
+            if self._compiled_draws(z, compiled):
+                tokens, logps = compiled.sample_plain(z, u.squeeze(-1).tolist())
+                return torch.tensor(tokens), torch.tensor(logps)
             return self._inverse_cdf_two_level(z, u)
         z, order = z.sort(dim=-1, descending=True, stable=True)  # [N, V], ranks -> token ids
         z = self._mask_top_k_top_p(z, rows)
@@ -93,6 +96,11 @@ class Sampler:
         cdf = logp.double().exp().cumsum(-1)  # [N, V]
         pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=z.shape[-1] - 1)  # [N, 1]
         return order.gather(-1, pick).squeeze(-1), logp.gather(-1, pick).squeeze(-1)
+
+    @staticmethod
+    def _compiled_draws(z: torch.Tensor, compiled) -> bool:
+        """The compiled loops draw plain rows from z here."""
+        return compiled is not None and z.device.type == "cpu" and z.is_contiguous()
 
     @staticmethod
     def _inverse_cdf_two_level(z: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
