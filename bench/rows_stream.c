@@ -69,6 +69,13 @@ int main(void) {
     const int rows[] = {1, 2, 4, 8};
     double sum_dram[ROUNDS], probe_dram[ROUNDS], dram[4][ROUNDS], l2[4][ROUNDS], panel_dram[4][ROUNDS],
         panel_l2[4][ROUNDS];
+    uint16_t *w16 = mmap(NULL, bytes / 2, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (w16 == MAP_FAILED) return 1;
+    madvise(w16, bytes / 2, MADV_HUGEPAGE);
+    for (size_t i = 0; i < total; i++) w16[i] = float_to_bf16(w[i]);
+    uint16_t *x16 = malloc(sizeof(uint16_t) * 8 * K), *y16 = malloc(sizeof(uint16_t) * 8 * N);
+    for (int i = 0; i < 8 * K; i++) x16[i] = float_to_bf16(x[i]);
+    double bf16_dram[4][ROUNDS], bf16_sum[ROUNDS];
     volatile float sink = 0;
     for (int r = 0; r < ROUNDS; r++) {
         double t = now();
@@ -77,6 +84,14 @@ int main(void) {
         t = now();
         for (int m = 0; m < MATRICES; m++) sink += fmas_without_x_loads(w + m * per, per);
         probe_dram[r] = bytes / (now() - t) / 1e9;
+        t = now(); /* the bf16 matrices' bytes, summed as float32 */
+        sink += stream_sum((const float *)w16, total / 2);
+        bf16_sum[r] = bytes / 2 / (now() - t) / 1e9;
+        for (int i = 0; i < 4; i++) {
+            t = now();
+            for (int m = 0; m < MATRICES; m++) colorl_linear_bf16(x16, w16 + m * per, NULL, y16, rows[i], N, K, 1);
+            bf16_dram[i][r] = bytes / 2 / (now() - t) / 1e9;
+        }
         for (int i = 0; i < 4; i++) {
             t = now();
             for (int m = 0; m < MATRICES; m++) colorl_linear_f32(x, w + m * per, NULL, y, rows[i], N, K, 1);
@@ -96,6 +111,8 @@ int main(void) {
     for (int i = 0; i < 4; i++)
         printf("%s\"%d\": {\"dram_gb_s\": %.2f, \"l2_gb_s\": %.2f, \"panels_dram_gb_s\": %.2f, \"panels_l2_gb_s\": %.2f}",
                i ? ", " : "", rows[i], median(dram[i]), median(l2[i]), median(panel_dram[i]), median(panel_l2[i]));
+    printf("}, \"bf16_sum_gb_s\": %.2f, \"bf16_rows\": {", median(bf16_sum));
+    for (int i = 0; i < 4; i++) printf("%s\"%d\": %.2f", i ? ", " : "", rows[i], median(bf16_dram[i]));
     printf("}}\n");
     return 0;
 }

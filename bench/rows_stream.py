@@ -6,12 +6,14 @@ why a few rows now run over the panels where this machine's race says so).
 
 bench/rows_stream.c includes the engine's own cpu_decode.c and times, on one thread over 85 MB of [3072, 576]
 float32 matrices on huge pages (15 interleaved rounds, medians): a sum of the memory; the rows kernel and the
-panels at 1, 2, 4 and 8 rows, from DRAM and from L2 (a 96-row matrix read again and again); and a probe doing the 8-row
-step's 16 FMAs per cache line with x in registers, no loads of x. Built with the engine's compiler and
+panels at 1, 2, 4 and 8 rows, from DRAM and from L2 (a 96-row matrix read again and again); a probe doing the 8-row
+step's 16 FMAs per cache line with x in registers, no loads of x; and the bf16 rows kernel at 1, 2, 4 and 8 rows
+over the same matrices in bf16 (42 MB), against a sum of those bytes. Built with the engine's compiler and
 -march (engines/native/cpu_build.py). Results: bench/results/rows_stream.json; summary in bench/README.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import tempfile
@@ -23,6 +25,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "results" / "rows_stream.json"))
+    args = parser.parse_args()
     from colorl.engines.native.cpu_build import LoopsUnavailable, compiler, march
 
     try:
@@ -44,7 +49,13 @@ def main() -> None:
         print(f"| {rows} | {row['dram_gb_s']:.1f} GB/s | {row['dram_gb_s'] / total:.2f}x | {row['l2_gb_s']:.1f} GB/s "
               f"| {row['panels_dram_gb_s']:.1f} GB/s | {row['panels_dram_gb_s'] / total:.2f}x "
               f"| {row['panels_l2_gb_s']:.1f} GB/s | {row['panels_dram_gb_s'] / row['dram_gb_s']:.2f}x |")
-    out = HERE / "results" / "rows_stream.json"
+    bf16_total = figures["bf16_sum_gb_s"]
+    print(f"bf16, the same matrices (42 MB): sum {bf16_total:.1f} GB/s")
+    print("| rows | bf16 rows kernel from DRAM | / sum |")
+    print("|---|---|---|")
+    for rows, rate in figures["bf16_rows"].items():
+        print(f"| {rows} | {rate:.1f} GB/s | {rate / bf16_total:.2f}x |")
+    out = Path(args.out)
     out.write_text(json.dumps({"machine": cpu_model(), **figures}, indent=1))
     print(f"wrote {out}")
 
