@@ -244,8 +244,8 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
  *   x is laid out once per call to match: per 16 values, the 8 even then the 8 odd, in float32.
  * One row (row_sums_bf16_1) keeps four sums and asks for no lines ahead, as the float32 rows kernel below 3
  * rows: with two sums, each 32 bytes of weights waited on one FMA's latency (8 bytes a cycle, 27-29 GB/s on a
- * Zen 4 core whose plain sum reads 29-33), and prefetching 8 KB ahead cost the stream 3-7 % more there
- * (bench/rows_stream.py, bench/README.md). */
+ * Zen 4 core whose plain sum reads 29-33); with four, prefetching 8 KB ahead took the stream from 0.98-1.03x a
+ * plain sum to 0.78-0.82x there (bench/README.md, "One row of bf16"; bench/rows_stream.py times the loop). */
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
 #endif

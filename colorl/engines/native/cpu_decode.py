@@ -51,12 +51,12 @@ RACE_VOCAB = 8192  # the raced steps' LM head: about a fifth of their bytes, as 
 RACE_BLOCK = 16  # tokens per KV block in the raced steps
 RACE_LAYER_BYTES = 4 * sum(n_out * n_in for n_out, n_in in RACE_LAYER)  # one layer in float32, 14 MB
 RACE_MIN_BYTES = 6 * RACE_LAYER_BYTES  # 85 MB: more than most last-level caches hold
+RACE_MAX_BYTES = 2**30
+RACE_ROUNDS = 3
 # A run's decode steps are checked against their rows verdict (observe_decode) at most once in this many seconds:
 # a check after a step that streamed the weights runs from cold caches, 0.1 ms, 1 % of a batch-1 step, and a
 # window of VerdictWatch's five timings still fills in well under its ten seconds.
 OBSERVE_EVERY_S = 0.05
-RACE_MAX_BYTES = 2**30
-RACE_ROUNDS = 3
 
 
 @functools.cache
@@ -374,6 +374,7 @@ class CpuDecode:
         more) and forced verdicts are not checked; `kv_bytes` is asked only for a step that is. The caller asks
         `observation_due` first."""
         from colorl.machine import last_level_cache_bytes
+
         if (weight_bytes < max(RACE_MIN_BYTES, last_level_cache_bytes() or 0) or dtype not in DTYPES
                 or forced_rows() is not None or forced_panel_rows() is not None):
             return
