@@ -79,6 +79,7 @@ static inline v8 half16(v16 v, int h) {
 static inline v8 add_in_order(v8 sums, vwide e) { /* sums + e's two halves in turn: the 8-lane loop's order */
     return (sums + half16(e, 0)) + half16(e, 1);
 }
+static inline float hsum_wide(vwide v) { return hsum8(half16(v, 0) + half16(v, 1)); }
 #else
 #define WIDE 8
 typedef v8 vwide;
@@ -87,6 +88,7 @@ typedef vi8 viwide;
 #define store_wide store8
 #define exp_wide exp8
 static inline v8 add_in_order(v8 sums, vwide e) { return sums + e; }
+static inline float hsum_wide(vwide v) { return hsum8(v); }
 #endif
 
 /* to[i] = e^(from[i] - top) for i below n rounded down to 8, and their sums in 8 lanes (lane j: every i = j mod 8,
@@ -163,31 +165,45 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * is read once, row after row (one sequential stream per thread, which is what the hardware
  * prefetcher serves best), each row against every x row held in L1.
  *
+ * The loop runs on the build's widest vector (WIDE), two sums per row. Where the FMA units are 512
+ * bits wide (Zen 5, Intel's AVX-512 cores) sixteen lanes do twice the work per instruction that
+ * eight do: on a Zen 5 core 8 rows of float32 read from L2 at 43 GB/s instead of 26, one row from
+ * memory at 1.01x a plain sum's rate instead of 0.96x, and the float32 decode steps at 1 and 8 rows
+ * took 0.90-0.95x as long (bench/README.md, "A Zen 5"). From memory 8 rows still read about 25 of
+ * the sum's 40 GB/s there: a probe doing the same FMAs with x in registers streams at the sum's rate,
+ * so what holds it is the loads of x beside the stream, not the arithmetic. Zen 4 runs a 512-bit FMA
+ * as two halves (not measured there since).
+ *
  * From 3 rows on, the loop's own arithmetic slows how fast it asks for the stream, and the
  * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
  * 8 rows on Zen 4. Asking for the weights PREFETCH_AHEAD floats (8 KB) ahead, into L2 (prefetcht1:
  * L2 tracks more misses than L1), brings 3-8 rows to 19-28 GB/s there (the race in cpu_decode.py
  * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows it costs a little. */
 #define PREFETCH_AHEAD 2048
+#define LINE_FLOATS 16 /* a 64-byte cache line */
 
 #define ROWS_KERNEL(B)                                                                             \
     static void rows_##B(const float *x, const float *w, const float *bias, float *y, int64_t N,   \
                          int64_t K, int64_t n0, int64_t n1) {                                      \
         for (int64_t n = n0; n < n1; n++) {                                                        \
             const float *wr = w + n * K;                                                           \
-            v8 acc[B][2];                                                                          \
+            vwide acc[B][2];                                                                       \
             memset(acc, 0, sizeof acc);                                                            \
             int64_t k = 0;                                                                         \
-            for (; k + 16 <= K; k += 16) {                                                         \
-                if (B >= 3) __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);                     \
-                v8 w0 = load8(wr + k), w1 = load8(wr + k + 8);                                     \
+            for (; k + 2 * WIDE <= K; k += 2 * WIDE) {                                             \
+                if (B >= 3)                                                                        \
+                    for (int line = 0; line < 2 * WIDE; line += LINE_FLOATS)                       \
+                        __builtin_prefetch(wr + k + line + PREFETCH_AHEAD, 0, 2);                  \
+                vwide w0 = load_wide(wr + k), w1 = load_wide(wr + k + WIDE);                       \
                 for (int b = 0; b < B; b++) {                                                      \
-                    acc[b][0] += w0 * load8(x + b * K + k);                                        \
-                    acc[b][1] += w1 * load8(x + b * K + k + 8);                                    \
+                    acc[b][0] += w0 * load_wide(x + b * K + k);                                    \
+                    acc[b][1] += w1 * load_wide(x + b * K + k + WIDE);                             \
                 }                                                                                  \
             }                                                                                      \
+            for (; k + WIDE <= K; k += WIDE)                                                       \
+                for (int b = 0; b < B; b++) acc[b][0] += load_wide(wr + k) * load_wide(x + b * K + k); \
             for (int b = 0; b < B; b++) {                                                          \
-                float s = hsum8(acc[b][0] + acc[b][1]);                                            \
+                float s = hsum_wide(acc[b][0] + acc[b][1]);                                        \
                 for (int64_t j = k; j < K; j++) s += wr[j] * x[b * K + j];                         \
                 y[b * N + n] = bias ? s + bias[n] : s;                                             \
             }                                                                                      \
