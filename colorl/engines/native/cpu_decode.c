@@ -165,14 +165,15 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * is read once, row after row (one sequential stream per thread, which is what the hardware
  * prefetcher serves best), each row against every x row held in L1.
  *
- * The loop runs on the build's widest vector (WIDE), two sums per row. Where the FMA units are 512
- * bits wide (Zen 5, Intel's AVX-512 cores) sixteen lanes do twice the work per instruction that
- * eight do: on a Zen 5 core 8 rows of float32 read from L2 at 43 GB/s instead of 26, one row from
- * memory at 1.01x a plain sum's rate instead of 0.96x, and the float32 decode steps at 1 and 8 rows
- * took 0.90-0.95x as long (bench/README.md, "A Zen 5"). From memory 8 rows still read about 25 of
- * the sum's 40 GB/s there: a probe doing the same FMAs with x in registers streams at the sum's rate,
- * so what holds it is the loads of x beside the stream, not the arithmetic. Zen 4 runs a 512-bit FMA
- * as two halves (not measured there since).
+ * The loop runs on the build's widest vector (WIDE): sixteen lanes with AVX-512, twice the work per
+ * instruction where the FMA units are 512 bits wide (Zen 5; on a Zen 5 core 8 rows of float32 read
+ * from L2 at 43 GB/s on 16 lanes, 26 on 8). From memory that alone gave nothing there: 8 rows still
+ * read about 25 of a plain sum's 40 GB/s, because what holds the stream is the loads of x beside it,
+ * not the arithmetic (a probe doing the same FMAs with x in registers streamed at the sum's rate).
+ * So with 16 lanes, from PAIR_FROM rows on, two weight rows go together and each vector of x loaded
+ * serves both: half the loads of x, and the float32 decode step at 8 rows on one Zen 5 thread took
+ * 1.85-1.89x its memory floor instead of 2.05-2.28x (bench/README.md, "A Zen 5"). Its 2B sums and two
+ * weight vectors fit AVX-512's 32 registers; AVX2's 16 would spill at 8 rows, so AVX2 builds keep one row.
  *
  * From 3 rows on, the loop's own arithmetic slows how fast it asks for the stream, and the
  * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
@@ -182,10 +183,50 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #define PREFETCH_AHEAD 2048
 #define LINE_FLOATS 16 /* a 64-byte cache line */
 
+/* Two weight rows against B rows of x, one sum per (weight row, x row) (above). */
+#define PAIRS (WIDE == 16)
+#define PAIR_FROM 3
+static inline __attribute__((always_inline)) void row_pair_sums(const float *x, const float *wr, int64_t K, int B,
+                                                                float *s0, float *s1) {
+    const float *wr1 = wr + K;
+    vwide acc[2][8];
+    memset(acc, 0, sizeof acc);
+    int64_t k = 0;
+    for (; k + WIDE <= K; k += WIDE) {
+        __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);
+        __builtin_prefetch(wr1 + k + PREFETCH_AHEAD, 0, 2);
+        vwide w0 = load_wide(wr + k), w1 = load_wide(wr1 + k);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; b++) {
+            vwide xb = load_wide(x + b * K + k);
+            acc[0][b] += w0 * xb;
+            acc[1][b] += w1 * xb;
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        s0[b] = hsum_wide(acc[0][b]);
+        s1[b] = hsum_wide(acc[1][b]);
+        for (int64_t j = k; j < K; j++) {
+            s0[b] += wr[j] * x[b * K + j];
+            s1[b] += wr1[j] * x[b * K + j];
+        }
+    }
+}
+
 #define ROWS_KERNEL(B)                                                                             \
     static void rows_##B(const float *x, const float *w, const float *bias, float *y, int64_t N,   \
                          int64_t K, int64_t n0, int64_t n1) {                                      \
-        for (int64_t n = n0; n < n1; n++) {                                                        \
+        int64_t n = n0;                                                                            \
+        if (PAIRS && B >= PAIR_FROM)                                                               \
+            for (; n + 2 <= n1; n += 2) {                                                          \
+                float s0[B], s1[B];                                                                \
+                row_pair_sums(x, w + n * K, K, B, s0, s1);                                         \
+                for (int b = 0; b < B; b++) {                                                      \
+                    y[b * N + n] = bias ? s0[b] + bias[n] : s0[b];                                 \
+                    y[b * N + n + 1] = bias ? s1[b] + bias[n + 1] : s1[b];                         \
+                }                                                                                  \
+            }                                                                                      \
+        for (; n < n1; n++) {                                                                      \
             const float *wr = w + n * K;                                                           \
             vwide acc[B][2];                                                                       \
             memset(acc, 0, sizeof acc);                                                            \
