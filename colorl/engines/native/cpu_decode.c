@@ -165,15 +165,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * is read once, row after row (one sequential stream per thread, which is what the hardware
  * prefetcher serves best), each row against every x row held in L1.
  *
- * The loop runs on the build's widest vector (WIDE): sixteen lanes with AVX-512, twice the work per
- * instruction where the FMA units are 512 bits wide (Zen 5; on a Zen 5 core 8 rows of float32 read
- * from L2 at 43 GB/s on 16 lanes, 26 on 8). From memory that alone gave nothing there: 8 rows still
- * read about 25 of a plain sum's 40 GB/s, because what holds the stream is the loads of x beside it,
- * not the arithmetic (a probe doing the same FMAs with x in registers streamed at the sum's rate).
- * So with 16 lanes, from PAIR_FROM rows on, two weight rows go together and each vector of x loaded
- * serves both: half the loads of x, and the float32 decode step at 8 rows on one Zen 5 thread took
- * 1.85-1.89x its memory floor instead of 2.05-2.28x (bench/README.md, "A Zen 5"). Its 2B sums and two
- * weight vectors fit AVX-512's 32 registers; AVX2's 16 would spill at 8 rows, so AVX2 builds keep one row.
+ * From PAIR_FROM rows on, where the build has AVX-512, two weight rows go together on 16 lanes and each
+ * vector of x loaded from L1 serves both. On a Zen 5 core the loads of x, not the arithmetic, held
+ * the stream back at 7-8 rows: 16 lanes alone took 8 rows from L2 from 26 to 43 GB/s but left them at
+ * about 25 of a plain sum's 40 GB/s from memory (a probe doing the same FMAs with x in registers
+ * streamed at the sum's rate); pairs halve the loads of x, and the float32 decode step at 8 rows on
+ * one thread took 1.85-1.89x its memory floor instead of 2.05-2.28x (bench/README.md, "A Zen 5").
+ * At 3-5 rows pairs streamed slower there (26-30 GB/s against 34-39 in one row's loop), and at 6 the
+ * same. 2B sums and two weight vectors fit AVX-512's 32 registers; AVX2's 16 would spill.
  *
  * From 3 rows on, the loop's own arithmetic slows how fast it asks for the stream, and the
  * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
@@ -181,11 +180,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * L2 tracks more misses than L1), brings 3-8 rows to 19-28 GB/s there (the race in cpu_decode.py
  * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows it costs a little. */
 #define PREFETCH_AHEAD 2048
-#define LINE_FLOATS 16 /* a 64-byte cache line */
 
 /* Two weight rows against B rows of x, one sum per (weight row, x row) (above). */
 #define PAIRS (WIDE == 16)
-#define PAIR_FROM 3
+#define PAIR_FROM 7
 static inline __attribute__((always_inline)) void row_pair_sums(const float *x, const float *wr, int64_t K, int B,
                                                                 float *s0, float *s1) {
     const float *wr1 = wr + K;
@@ -228,23 +226,19 @@ static inline __attribute__((always_inline)) void row_pair_sums(const float *x, 
             }                                                                                      \
         for (; n < n1; n++) {                                                                      \
             const float *wr = w + n * K;                                                           \
-            vwide acc[B][2];                                                                       \
+            v8 acc[B][2];                                                                          \
             memset(acc, 0, sizeof acc);                                                            \
             int64_t k = 0;                                                                         \
-            for (; k + 2 * WIDE <= K; k += 2 * WIDE) {                                             \
-                if (B >= 3)                                                                        \
-                    for (int line = 0; line < 2 * WIDE; line += LINE_FLOATS)                       \
-                        __builtin_prefetch(wr + k + line + PREFETCH_AHEAD, 0, 2);                  \
-                vwide w0 = load_wide(wr + k), w1 = load_wide(wr + k + WIDE);                       \
+            for (; k + 16 <= K; k += 16) {                                                         \
+                if (B >= 3) __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);                     \
+                v8 w0 = load8(wr + k), w1 = load8(wr + k + 8);                                     \
                 for (int b = 0; b < B; b++) {                                                      \
-                    acc[b][0] += w0 * load_wide(x + b * K + k);                                    \
-                    acc[b][1] += w1 * load_wide(x + b * K + k + WIDE);                             \
+                    acc[b][0] += w0 * load8(x + b * K + k);                                        \
+                    acc[b][1] += w1 * load8(x + b * K + k + 8);                                    \
                 }                                                                                  \
             }                                                                                      \
-            for (; k + WIDE <= K; k += WIDE)                                                       \
-                for (int b = 0; b < B; b++) acc[b][0] += load_wide(wr + k) * load_wide(x + b * K + k); \
             for (int b = 0; b < B; b++) {                                                          \
-                float s = hsum_wide(acc[b][0] + acc[b][1]);                                        \
+                float s = hsum8(acc[b][0] + acc[b][1]);                                            \
                 for (int64_t j = k; j < K; j++) s += wr[j] * x[b * K + j];                         \
                 y[b * N + n] = bias ? s + bias[n] : s;                                             \
             }                                                                                      \
