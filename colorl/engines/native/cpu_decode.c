@@ -170,7 +170,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * the stream back at 7-8 rows: 16 lanes alone took 8 rows from L2 from 26 to 43 GB/s but left them at
  * about 25 of a plain sum's 40 GB/s from memory (a probe doing the same FMAs with x in registers
  * streamed at the sum's rate); pairs halve the loads of x, and the float32 decode step at 8 rows on
- * one thread took 1.85-1.89x its memory floor instead of 2.05-2.28x (bench/README.md, "A Zen 5").
+ * one thread took 1.81-1.89x its memory floor instead of 1.90-2.28x, by turns (bench/README.md, "A Zen 5").
  * At 3-5 rows pairs streamed slower there (26-30 GB/s against 34-39 in one row's loop), and at 6 the
  * same. 2B sums and two weight vectors fit AVX-512's 32 registers; AVX2's 16 would spill.
  *
