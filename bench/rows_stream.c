@@ -75,7 +75,11 @@ int main(void) {
     for (size_t i = 0; i < total; i++) w16[i] = float_to_bf16(w[i]);
     uint16_t *x16 = malloc(sizeof(uint16_t) * 8 * K), *y16 = malloc(sizeof(uint16_t) * 8 * N);
     for (int i = 0; i < 8 * K; i++) x16[i] = float_to_bf16(x[i]);
-    double bf16_dram[4][ROUNDS], bf16_sum[ROUNDS];
+    uint16_t *panels16 = mmap(NULL, bytes / 2, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (panels16 == MAP_FAILED) return 1;
+    madvise(panels16, bytes / 2, MADV_HUGEPAGE);
+    for (int m = 0; m < MATRICES; m++) colorl_pack_panels_bf16(w16 + m * per, panels16 + m * per, N, K, 1);
+    double bf16_dram[4][ROUNDS], bf16_sum[ROUNDS], bf16_panel_dram[4][ROUNDS], bf16_panel_l2[4][ROUNDS];
     volatile float sink = 0;
     for (int r = 0; r < ROUNDS; r++) {
         double t = now();
@@ -91,6 +95,12 @@ int main(void) {
             t = now();
             for (int m = 0; m < MATRICES; m++) colorl_linear_bf16(x16, w16 + m * per, NULL, y16, rows[i], N, K, 1);
             bf16_dram[i][r] = bytes / 2 / (now() - t) / 1e9;
+            t = now();
+            for (int m = 0; m < MATRICES; m++) colorl_panels_bf16(x16, panels16 + m * per, NULL, y16, rows[i], N, K, 1);
+            bf16_panel_dram[i][r] = bytes / 2 / (now() - t) / 1e9;
+            t = now();
+            for (int q = 0; q < 300; q++) colorl_panels_bf16(x16, panels16, NULL, y16, rows[i], L2_ROWS, K, 1);
+            bf16_panel_l2[i][r] = 300.0 * L2_ROWS * K * sizeof(uint16_t) / (now() - t) / 1e9;
         }
         for (int i = 0; i < 4; i++) {
             t = now();
@@ -113,6 +123,10 @@ int main(void) {
                i ? ", " : "", rows[i], median(dram[i]), median(l2[i]), median(panel_dram[i]), median(panel_l2[i]));
     printf("}, \"bf16_sum_gb_s\": %.2f, \"bf16_rows\": {", median(bf16_sum));
     for (int i = 0; i < 4; i++) printf("%s\"%d\": %.2f", i ? ", " : "", rows[i], median(bf16_dram[i]));
+    printf("}, \"bf16_panels\": {");
+    for (int i = 0; i < 4; i++)
+        printf("%s\"%d\": {\"dram_gb_s\": %.2f, \"l2_gb_s\": %.2f}", i ? ", " : "", rows[i],
+               median(bf16_panel_dram[i]), median(bf16_panel_l2[i]));
     printf("}}\n");
     return 0;
 }

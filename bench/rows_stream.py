@@ -8,6 +8,7 @@ bench/rows_stream.c includes the engine's own cpu_decode.c and times, on one thr
 float32 matrices on huge pages (15 interleaved rounds, medians): a sum of the memory; the rows kernel and the
 panels at 1, 2, 4 and 8 rows, from DRAM and from L2 (a 96-row matrix read again and again); a probe doing the 8-row
 step's 16 FMAs per cache line with x in registers, no loads of x; and the bf16 rows kernel at 1, 2, 4 and 8 rows
+and the bf16 panels (k-pair panels where the CPU has AVX512-BF16) at the same rows, from DRAM and from L2,
 over the same matrices in bf16 (42 MB), against a sum of those bytes. Built with the engine's compiler and
 -march (engines/native/cpu_build.py). Results: bench/results/rows_stream.json; summary in bench/README.md.
 """
@@ -51,10 +52,12 @@ def main() -> None:
               f"| {row['panels_l2_gb_s']:.1f} GB/s | {row['panels_dram_gb_s'] / row['dram_gb_s']:.2f}x |")
     bf16_total = figures["bf16_sum_gb_s"]
     print(f"bf16, the same matrices (42 MB): sum {bf16_total:.1f} GB/s")
-    print("| rows | bf16 rows kernel from DRAM | / sum |")
-    print("|---|---|---|")
+    print("| rows | bf16 rows kernel from DRAM | / sum | bf16 panels from DRAM | / sum | from L2 |")
+    print("|---|---|---|---|---|---|")
     for rows, rate in figures["bf16_rows"].items():
-        print(f"| {rows} | {rate:.1f} GB/s | {rate / bf16_total:.2f}x |")
+        panel = figures["bf16_panels"][rows]
+        print(f"| {rows} | {rate:.1f} GB/s | {rate / bf16_total:.2f}x | {panel['dram_gb_s']:.1f} GB/s "
+              f"| {panel['dram_gb_s'] / bf16_total:.2f}x | {panel['l2_gb_s']:.1f} GB/s |")
     out = Path(args.out)
     out.write_text(json.dumps({"machine": cpu_model(), **figures}, indent=1))
     print(f"wrote {out}")

@@ -127,6 +127,33 @@ def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compile
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, monkeypatch):
+    """Products of 1-2 rows ask for their weights ahead with prefetchnta, or with COLORL_CPU_DECODE_NTA=0 not at
+    all: a choice of cache traffic, never of arithmetic. Both kernels (the rows kernel and the panels), 1-3 rows
+    (3 asks into L2 either way), the same bits; the variable reads as documented."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(1000, 576, generator=gen).to(dtype)
+    panels = compiled.pack_panels(weight)
+    assert compiled.stream_nta == cpu_decode.nta_wanted()  # as loaded: on unless COLORL_CPU_DECODE_NTA=0
+    try:
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 576, generator=gen).to(dtype)
+            outs = []
+            for on in (True, False):
+                assert compiled.use_stream_nta(on) is on
+                outs.append((compiled.linear(x, weight, None), compiled.panel_linear(x, panels, 1000, None)))
+            for a, b in zip(*outs):
+                assert torch.equal(a, b)
+            assert_float32_sums_rounded_once(outs[0][0], x, weight, None)
+    finally:
+        compiled.use_stream_nta(True)
+    monkeypatch.setenv("COLORL_CPU_DECODE_NTA", "0")
+    assert not cpu_decode.nta_wanted()
+    monkeypatch.setenv("COLORL_CPU_DECODE_NTA", "1")
+    assert cpu_decode.nta_wanted()
+
+
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 @pytest.mark.parametrize("rows", [2, 8, 32])
 def test_panels_give_the_same_bits_at_any_thread_count(compiled, rows, dtype):
     """Each thread takes one contiguous run of a product's pairs of panels (the tiles', the k-pairs' and the

@@ -178,8 +178,25 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
  * 8 rows on Zen 4. Asking for the weights PREFETCH_AHEAD floats (8 KB) ahead, into L2 (prefetcht1:
  * L2 tracks more misses than L1), brings 3-8 rows to 19-28 GB/s there (the race in cpu_decode.py
- * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows it costs a little. */
+ * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows that costs a little, and the
+ * loops ask for the same lines non-temporally instead (prefetchnta: into L1, past the caches that hold what
+ * the rest of the step reads): on a Zen 5 core the 1- and 2-row loops then read at a plain sum's rate
+ * (float32 0.93x and 0.82x a sum without it), and a batch-1 decode step took 1.08-1.11x its memory floor
+ * instead of 1.15-1.21x in float32, 1.17-1.20x instead of 1.27-1.28x in bf16, its sampler and Python also
+ * faster on caches the weights had not swept (bench/README.md, "Non-temporal"). */
 #define PREFETCH_AHEAD 2048
+#define NTA_ROWS 2
+static int stream_nta = 1; /* colorl_stream_nta(0) (COLORL_CPU_DECODE_NTA=0 in cpu_decode.py): none at 1-2 rows */
+int colorl_stream_nta(int on) {
+    stream_nta = on != 0;
+    return stream_nta;
+}
+/* Ask for the line at p ahead of a loop over `rows` rows of x: non-temporally up to NTA_ROWS, else into L2. */
+#define STREAM_AHEAD(rows, p)                                                                      \
+    do {                                                                                           \
+        if ((rows) > NTA_ROWS) __builtin_prefetch((p), 0, 2);                                      \
+        else if (stream_nta) __builtin_prefetch((p), 0, 0);                                        \
+    } while (0)
 
 /* Two weight rows against B rows of x, one sum per (weight row, x row) (above). */
 #define PAIRS (WIDE == 16)
@@ -230,7 +247,7 @@ static inline __attribute__((always_inline)) void row_pair_sums(const float *x, 
             memset(acc, 0, sizeof acc);                                                            \
             int64_t k = 0;                                                                         \
             for (; k + 16 <= K; k += 16) {                                                         \
-                if (B >= 3) __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);                     \
+                STREAM_AHEAD(B, wr + k + PREFETCH_AHEAD);                                          \
                 v8 w0 = load8(wr + k), w1 = load8(wr + k + 8);                                     \
                 for (int b = 0; b < B; b++) {                                                      \
                     acc[b][0] += w0 * load8(x + b * K + k);                                        \
@@ -293,10 +310,11 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
  * - elsewhere, 16 weights load as 8 32-bit words whose high halves are the odd
  *   weights and whose low halves, shifted up, the even ones (two integer ops for 16 weights);
  *   x is laid out once per call to match: per 16 values, the 8 even then the 8 odd, in float32.
- * One row (row_sums_bf16_1) keeps four sums and asks for no lines ahead, as the float32 rows kernel below 3
- * rows: with two sums, each 32 bytes of weights waited on one FMA's latency (8 bytes a cycle, 27-29 GB/s on a
- * Zen 4 core whose plain sum reads 29-33); with four, prefetching 8 KB ahead took the stream from 0.98-1.03x a
- * plain sum to 0.78-0.82x there (bench/README.md, "One row of bf16"; bench/rows_stream.py times the loop). */
+ * One row (row_sums_bf16_1) keeps four sums: with two, each 32 bytes of weights waited on one FMA's latency (8
+ * bytes a cycle, 27-29 GB/s on a Zen 4 core whose plain sum reads 29-33). Asking for the lines 8 KB ahead into L2
+ * took its stream from 0.98-1.03x a plain sum to 0.78-0.82x there (bench/README.md, "One row of bf16"); it asks
+ * for them 4 KB ahead non-temporally, as the float32 kernel's 1-2 rows do (STREAM_AHEAD above): 1.08x a plain
+ * sum on a Zen 5 core against 0.97x without (bench/rows_stream.py times the loops). */
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
 #endif
@@ -347,7 +365,7 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
             v8 acc[B][2];                                                                          \
             memset(acc, 0, sizeof acc);                                                            \
             for (; k + 16 <= K; k += 16) {                                                         \
-                __builtin_prefetch((const char *)(wr + k) + PREFETCH_AHEAD * 4, 0, 2);             \
+                STREAM_AHEAD(B, (const char *)(wr + k) + PREFETCH_AHEAD * 4);                      \
                 v8 even, odd;                                                                      \
                 even_odd8(wr + k, &even, &odd);                                                    \
                 for (int b = 0; b < B; b++) {                                                      \
@@ -366,7 +384,7 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
     __m256 acc[B][2];                                                                              \
     for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();                       \
     for (; k + 32 <= K; k += 32) {                                                                 \
-        __builtin_prefetch((const char *)(wr + k) + PREFETCH_AHEAD * 4, 0, 2);                     \
+        STREAM_AHEAD(B, (const char *)(wr + k) + PREFETCH_AHEAD * 4);                              \
         __m256bh w0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k));                    \
         __m256bh w1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16));               \
         for (int b = 0; b < B; b++) {                                                              \
@@ -384,16 +402,19 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
 #define DPBF16_LOOP(B)
 #endif
 
-/* The weights' row n against one row of x: four independent sums, no software prefetch (above). */
+/* The weights' row n against one row of x: four independent sums, the lines asked for non-temporally (above). */
 static inline void row_sums_bf16_1(const uint16_t *x16, const float *xeo, const uint16_t *wr, int64_t K, float *s) {
     int64_t k = 0;
 #if HAVE_DPBF16
     (void)xeo;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; k + 64 <= K; k += 64)
+    for (; k + 64 <= K; k += 64) {
+        STREAM_AHEAD(1, (const char *)(wr + k) + PREFETCH_AHEAD * 2);
+        STREAM_AHEAD(1, (const char *)(wr + k) + PREFETCH_AHEAD * 2 + 64);
         for (int i = 0; i < 4; i++)
             acc[i] = _mm256_dpbf16_ps(acc[i], (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16 * i)),
                                       (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + k + 16 * i)));
+    }
     for (; k + 16 <= K; k += 16)
         acc[0] = _mm256_dpbf16_ps(acc[0], (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k)),
                                   (__m256bh)_mm256_loadu_si256((const __m256i *)(x16 + k)));
@@ -402,6 +423,7 @@ static inline void row_sums_bf16_1(const uint16_t *x16, const float *xeo, const 
 #else
     v8 sums[4] = {{0}};
     for (; k + 32 <= K; k += 32) {
+        STREAM_AHEAD(1, (const char *)(wr + k) + PREFETCH_AHEAD * 2);
         v8 even0, odd0, even1, odd1;
         even_odd8(wr + k, &even0, &odd0);
         even_odd8(wr + k + 16, &even1, &odd1);

@@ -276,11 +276,20 @@ class CpuDecode:
         self._sample_plain = library.colorl_sample_plain  # float32 logits only
         self._sample_plain.argtypes, self._sample_plain.restype = [_p, _i64, _i64, _p, _p, _p, _int], _int
         self._observed_at = float("-inf")  # perf_counter of the last step observe_decode checked
+        self._stream_nta = library.colorl_stream_nta
+        self._stream_nta.argtypes, self._stream_nta.restype = [_int], _int
+        self.stream_nta = self.use_stream_nta(nta_wanted())
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
         self.amx_min_rows = int(library.colorl_amx_min_rows())  # fewer rows run on the FMA loops even with AMX on
         self.amx = self.use_amx(amx_wanted())
+
+    def use_stream_nta(self, on: bool) -> bool:
+        """Products of 1-2 rows ask for their weights ahead non-temporally (on) or not at all, from now on: the
+        same arithmetic either way (`nta_wanted`)."""
+        self.stream_nta = bool(self._stream_nta(int(on)))
+        return self.stream_nta
 
     def use_amx(self, on: bool) -> bool:
         """Run the bf16 products over the panels (`panel_linear`, a decode step's products on the panels) on AMX
@@ -546,6 +555,12 @@ def _parsed_counts(name: str, value: str, every: frozenset[int], hint: str) -> f
 def amx_wanted() -> bool:
     """The bf16 panels may run on AMX tiles: COLORL_CPU_DECODE_AMX=0 keeps the FMA loops."""
     return os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0"
+
+
+def nta_wanted() -> bool:
+    """Products of 1-2 rows ask for their weights ahead non-temporally (cpu_decode.c, STREAM_AHEAD), past the
+    caches the rest of a step reads: COLORL_CPU_DECODE_NTA=0 asks for none, to compare on a CPU not yet measured."""
+    return os.environ.get("COLORL_CPU_DECODE_NTA", "1") != "0"
 
 
 def forced_rows() -> frozenset[int] | None:

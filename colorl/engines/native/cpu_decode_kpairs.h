@@ -11,7 +11,8 @@
  * of panels (16 outputs) is [K2 = ceil(K / 2)][16][2]: k-pair j of output o at (j * 16 + o) * 2, zero
  * past N and K. Both loops then read it as one sequential stream:
  * - the FMA loops: per k-pair one 64-byte weight load and one VDPBF16PS per row of x (its k-pair
- *   broadcast), up to 16 rows of sums at a time, as the k-major loops hold them;
+ *   broadcast), up to 16 rows of sums at a time, as the k-major loops hold them, and the stream asked for
+ *   as they ask for it (STREAM_AHEAD, cpu_decode.c);
  * - the tiles: each 16 k-pairs of a pair of panels is one weight tile, loaded straight from the panels
  *   (16 rows of 64 bytes, 1 KB in a row); only a K that is not a multiple of 32 copies its last, partial
  *   tile into zeros. Per weight tile one x tile and one TDPBF16PS per 16 rows of x.
@@ -55,7 +56,7 @@ static inline __attribute__((always_inline)) void kpairs_sums(const uint32_t *xt
                                                               int64_t R, int fetch, __m512 c[KPAIR_TILE]) {
     for (int64_t i = 0; i < R; i++) c[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < K2; j++) {
-        if (fetch) __builtin_prefetch(wp + j * 32 + PANEL_AHEAD, 0, 2); /* one line per k-pair, 4 KB ahead */
+        if (fetch) STREAM_AHEAD(R, wp + j * 32 + PANEL_AHEAD); /* one line per k-pair, 4 KB ahead */
         __m512bh w = (__m512bh)_mm512_loadu_si512(wp + j * 32);
         const uint32_t *xj = xt + j * R;
 #pragma GCC unroll 16

@@ -90,7 +90,8 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * k-major, [K, B]). The rows kernel's dot products load a whole vector of x per FMA; a broadcast is
  * a narrower load, and on AVX2 the 8-row dot-product loop also spills three of its sixteen sums:
  * over the same 85 MB on one Zen 3 core these loops read 0.82-0.85x a plain sum's rate at 8 rows,
- * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. */
+ * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. They ask for
+ * the stream as the rows kernel does at the same rows (STREAM_AHEAD, cpu_decode.c): non-temporally at 1-2. */
 #define PANEL 8
 #define PANEL_AHEAD 2048
 #define LINE_KS (64 / (PANEL * (int)sizeof(ELEM))) /* the k's of a panel in one 64-byte line */
@@ -232,8 +233,8 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
         v16 c[8] = {{0}};
         for (int64_t k = 0; k < K; k++) {
             if (!(k & 1)) {
-                __builtin_prefetch(wa + k * PANEL + PANEL_AHEAD, 0, 2);
-                __builtin_prefetch(wb + k * PANEL + PANEL_AHEAD, 0, 2);
+                STREAM_AHEAD(B, wa + k * PANEL + PANEL_AHEAD);
+                STREAM_AHEAD(B, wb + k * PANEL + PANEL_AHEAD);
             }
             v16 w = NAMED(pair_at)(wa + k * PANEL, wb + k * PANEL);
             const float *xk = xt + k * B;
@@ -261,7 +262,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
         const ELEM *wp = panels + p * K * PANEL;
         v8 c[8] = {{0}};
         for (int64_t k = 0; k < K; k++) {
-            if (!(k & 1)) __builtin_prefetch(wp + k * PANEL + PANEL_AHEAD, 0, 2);
+            if (!(k & 1)) STREAM_AHEAD(B, wp + k * PANEL + PANEL_AHEAD);
             v8 w = LOAD8(wp + k * PANEL);
             const float *xk = xt + k * B;
 #pragma GCC unroll 8
