@@ -130,7 +130,8 @@ def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compile
 def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, monkeypatch):
     """Products of 1-2 rows ask for their weights ahead with prefetchnta, or with COLORL_CPU_DECODE_NTA=0 not at
     all: a choice of cache traffic, never of arithmetic. Both kernels (the rows kernel and the panels), 1-3 rows
-    (3 asks into L2 either way), the same bits; the variable reads as documented."""
+    (3 asks into L2 either way), the same bits; `colorl doctor --kernels` says when they ask for none, and the
+    variable reads as documented."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(1000, 576, generator=gen).to(dtype)
     panels = compiled.pack_panels(weight)
@@ -145,6 +146,13 @@ def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, m
             for a, b in zip(*outs):
                 assert torch.equal(a, b)
             assert_float32_sums_rounded_once(outs[0][0], x, weight, None)
+        from colorl.engines.native.kernel_report import kernel_lines
+
+        monkeypatch.setenv("COLORL_ONEDNN", "0")  # no race: the report as `colorl doctor --kernels` prints it
+        monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", "1,2")
+        assert any("1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)" in line for line in kernel_lines((1,)))
+        compiled.use_stream_nta(True)
+        assert not any("ask for no weights ahead" in line for line in kernel_lines((1,)))
     finally:
         compiled.use_stream_nta(True)
     monkeypatch.setenv("COLORL_CPU_DECODE_NTA", "0")

@@ -66,7 +66,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     lines.append(f"oneDNN runs: {', '.join(runs) or 'nothing (off, not x86, or not in this torch)'}"
                  + (f" ({caps})" if caps else ""))
     library = cpu_decode.load()
-    lines.append(f"decode loops: built {library.build}" + _amx_text(library)
+    nta = "" if library is None or library.stream_nta else ", 1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)"
+    lines.append(f"decode loops: built {library.build}" + _amx_text(library) + nta
                  if library is not None else f"decode loops: not used ({cpu_decode.why_not()})")
     threads_now = torch.get_num_threads()
     forced_onednn = "COLORL_ONEDNN=" + os.environ["COLORL_ONEDNN"] if kernels.forced_onednn() is not None else None
