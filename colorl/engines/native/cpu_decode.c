@@ -181,9 +181,9 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows that costs a little, and the
  * loops ask for the same lines non-temporally instead (prefetchnta: into L1, past the caches that hold what
  * the rest of the step reads): on a Zen 5 core the 1- and 2-row loops then read at a plain sum's rate
- * (float32 0.93x and 0.82x a sum without it), and a batch-1 decode step took 1.08-1.11x its memory floor
- * instead of 1.15-1.21x in float32, 1.17-1.20x instead of 1.27-1.28x in bf16, its sampler and Python also
- * faster on caches the weights had not swept (bench/README.md, "Non-temporal"). */
+ * (float32 0.93-0.95x and 0.83-0.87x a sum without it), and a batch-1 decode step took 1.13x its memory floor
+ * instead of 1.15-1.18x in float32, 1.18-1.20x instead of 1.24-1.30x in bf16, by turns, its sampler and Python
+ * also faster on caches the weights had not swept (bench/README.md, "Non-temporal"). */
 #define PREFETCH_AHEAD 2048
 #define NTA_ROWS 2
 static int stream_nta = 1; /* colorl_stream_nta(0) (COLORL_CPU_DECODE_NTA=0 in cpu_decode.py): none at 1-2 rows */
@@ -313,8 +313,8 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
  * One row (row_sums_bf16_1) keeps four sums: with two, each 32 bytes of weights waited on one FMA's latency (8
  * bytes a cycle, 27-29 GB/s on a Zen 4 core whose plain sum reads 29-33). Asking for the lines 8 KB ahead into L2
  * took its stream from 0.98-1.03x a plain sum to 0.78-0.82x there (bench/README.md, "One row of bf16"); it asks
- * for them 4 KB ahead non-temporally, as the float32 kernel's 1-2 rows do (STREAM_AHEAD above): 1.08x a plain
- * sum on a Zen 5 core against 0.97x without (bench/rows_stream.py times the loops). */
+ * for them 4 KB ahead non-temporally, as the float32 kernel's 1-2 rows do (STREAM_AHEAD above): 1.05-1.11x a
+ * plain sum on a Zen 5 core against 0.98-1.00x without (bench/rows_stream.py times the loops). */
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
 #endif
