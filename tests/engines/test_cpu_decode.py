@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
+from colorl.engines.native.kernel_report import kernel_lines
 from colorl.engines.native.model import AttentionGroup, DecoderLayer, _rotate, paged_attention
 from colorl.kernels import onednn_chosen
 from colorl.machine import cpu_identity
@@ -146,8 +147,6 @@ def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, m
             for a, b in zip(*outs):
                 assert torch.equal(a, b)
             assert_float32_sums_rounded_once(outs[0][0], x, weight, None)
-        from colorl.engines.native.kernel_report import kernel_lines
-
         monkeypatch.setenv("COLORL_ONEDNN", "0")  # no race: the report as `colorl doctor --kernels` prints it
         monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", "1,2")
         assert any("1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)" in line for line in kernel_lines((1,)))

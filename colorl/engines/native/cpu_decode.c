@@ -208,8 +208,8 @@ static inline __attribute__((always_inline)) void row_pair_sums(const float *x, 
     memset(acc, 0, sizeof acc);
     int64_t k = 0;
     for (; k + WIDE <= K; k += WIDE) {
-        __builtin_prefetch(wr + k + PREFETCH_AHEAD, 0, 2);
-        __builtin_prefetch(wr1 + k + PREFETCH_AHEAD, 0, 2);
+        STREAM_AHEAD(B, wr + k + PREFETCH_AHEAD);
+        STREAM_AHEAD(B, wr1 + k + PREFETCH_AHEAD);
         vwide w0 = load_wide(wr + k), w1 = load_wide(wr1 + k);
 #pragma GCC unroll 8
         for (int b = 0; b < B; b++) {
