@@ -120,7 +120,9 @@ NOTES: dict[str, str] = {
                                       "layer in backward (torch's checkpoint, per layer, under FSDP2; LoRA too): "
                                       "activation memory drops to one layer's worth, for about one more forward "
                                       "pass of compute. `colorl plan` counts it and suggests it first when "
-                                      "activations are what does not fit.",
+                                      "activations are what does not fit. On a CPU it also puts the trainer's "
+                                      "blocks of 32 MiB and more in mappings of their own, which leave no hole "
+                                      "in the kept heap (docs/cpu.md): a lower peak for a few % more train time.",
     "engine.weights_cpu_backup": "At sleep level 2, keep a host copy of the served weights and restore it at wake "
                                  "(SGLang's `enable_weights_cpu_backup`). On by itself with LoRA at level 2, where "
                                  "a sync re-sends only the adapted matrices and would leave the rest released.",

@@ -45,3 +45,11 @@ def test_growth_within_the_slack_stays_for_the_next_allocation():
 def test_the_engines_mapped_storage_goes_back_when_freed_without_a_trim():
     sizes = probe("mapped", 1024)
     assert not sizes["trimmed"] and sizes["freed"] - sizes["before"] < 32 * MiB
+
+
+def test_where_memory_comes_first_a_large_block_goes_back_when_freed_and_a_small_one_is_kept():
+    """colorl/heap.py: `map_large_blocks`, as a trainer with activation checkpointing asks for it."""
+    sizes = probe("large", 1024)
+    assert sizes["apart"] and not sizes["trimmed"]
+    assert sizes["large_freed"] - sizes["before"] < 32 * MiB  # 256 MiB in one block, mapped apart: given back
+    assert sizes["small_freed"] - sizes["large_freed"] > 12 * MiB  # 16 MiB stays in the kept heap, resident

@@ -66,8 +66,9 @@ class PolicyTrainer:
     def __init__(self, model_dir: Path, cfg, device: str, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
         self.device = device
-        # a CPU rank's kept heap, bounded (colorl/heap.py)
-        self.heap = HeapKeeper(HEAP_SLACK_BYTES) if torch.device(device).type == "cpu" else None
+        # a CPU rank's kept heap, bounded; where memory comes first, its largest blocks apart (colorl/heap.py)
+        self.heap = (HeapKeeper(HEAP_SLACK_BYTES, large_blocks_apart=cfg.train.activation_checkpointing)
+                     if torch.device(device).type == "cpu" else None)
         self.compute_dtype = precision.compute_dtype(cfg, device)
         self.attention = packed_attention(device, self.compute_dtype or dtype)  # what runs the packed rows
         # a group's samples run their prompt once where the attention takes shared prompts (packing.py)

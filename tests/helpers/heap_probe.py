@@ -5,6 +5,7 @@ print JSON of resident sizes and whether `HeapKeeper(slack)` trimmed.
   the hole); then one touches 512 MiB while a small block pinned above the first hole keeps it apart (it cannot
   fit: the heap grows).
 - `mapped`: the same 256 MiB from `host_memory.mapped_empty`, freed.
+- `large`: a keeper that maps large blocks apart; a micro-batch touches 256 MiB in one block, then 16 MiB.
 """
 import json
 import sys
@@ -16,7 +17,7 @@ from colorl.heap import HeapKeeper, resident_bytes
 
 MiB = 2**20
 kind, slack = sys.argv[1], int(sys.argv[2]) * MiB
-keeper = HeapKeeper(slack)
+keeper = HeapKeeper(slack, large_blocks_apart=kind == "large")
 before = resident_bytes()
 
 
@@ -35,6 +36,13 @@ if kind == "mapped":
     del block
     freed = resident_bytes()
     print(json.dumps({"before": before, "freed": freed, "trimmed": keeper.settle()}))
+    sys.exit()
+if kind == "large":
+    pinned = micro_batch(256, pin=True)
+    large_freed = resident_bytes()
+    small = micro_batch(16, pin=True)
+    print(json.dumps({"apart": keeper.large_blocks_apart, "before": before, "large_freed": large_freed,
+                      "small_freed": resident_bytes(), "trimmed": keeper.settle()}))
     sys.exit()
 pinned = micro_batch(256, pin=True)
 first = resident_bytes()

@@ -76,6 +76,17 @@ def test_a_cpu_trainer_settles_its_heap_after_each_micro_batch_and_releases_it_a
     assert calls == ["forward", "settle"] * forwards + ["release"]
 
 
+def test_a_cpu_trainer_maps_its_large_blocks_apart_only_where_checkpointing_puts_memory_first(tiny_model_dir,
+                                                                                             monkeypatch):
+    """colorl/heap.py: the allocator's setting is process-wide, so it is recorded here rather than made."""
+    import colorl.heap
+
+    asked = []
+    monkeypatch.setattr(colorl.heap, "map_large_blocks", lambda: asked.append(True) or True)
+    assert not _trainer(tiny_model_dir).heap.large_blocks_apart and asked == []
+    assert _trainer(tiny_model_dir, "train.activation_checkpointing=true").heap.large_blocks_apart and asked == [True]
+
+
 
 def test_a_null_budget_takes_the_devices_default(tiny_model_dir, monkeypatch):
     """train.max_tokens_per_micro_batch: null cuts micro-batches at the device's default (1024 tokens on a
