@@ -21,7 +21,8 @@ embedding's gradient, FSDP's gathered copy; 2-core Zen 5, checkpointing on), and
 (`map_large_blocks`) they leave no hole and go back when freed. Measured by turns, the train phase's peak
 fell from 3995-4115 to 3631-3809 MB, for 5-13 % more train time (their page faults): a trainer with
 activation checkpointing on, where the user has put memory first, maps them apart; one without keeps every
-block in the heap.
+block in the heap. Only over the kept heap: glibc's defaults map large blocks already, and allocator settings
+of the user's own (or a measurement's) stay untouched.
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def _glibc(name: str):
 
 def _malloc_trim():
     return _glibc("malloc_trim")
+
+
+def heap_kept() -> bool:
+    """The environment asks for the kept heap `colorl train` gives its CPU ranks (launch.CPU_RANK_ENV) and names
+    no mmap threshold of the user's own: glibc's defaults and a user's (or a measurement's) settings stay."""
+    return os.environ.get("MALLOC_MMAP_MAX_") == "0" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
 
 
 def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
@@ -80,7 +87,7 @@ class HeapKeeper:
     def __init__(self, slack: int, large_blocks_apart: bool = False) -> None:
         self.slack = slack
         self.reference: int | None = None
-        self.large_blocks_apart = large_blocks_apart and map_large_blocks()
+        self.large_blocks_apart = large_blocks_apart and heap_kept() and map_large_blocks()
 
     def settle(self) -> bool:
         """Call where the loop has freed what one micro-batch used. True if it gave pages back."""

@@ -83,8 +83,13 @@ def test_a_cpu_trainer_maps_its_large_blocks_apart_only_where_checkpointing_puts
 
     asked = []
     monkeypatch.setattr(colorl.heap, "map_large_blocks", lambda: asked.append(True) or True)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")  # a CPU rank's kept heap (launch.CPU_RANK_ENV)
     assert not _trainer(tiny_model_dir).heap.large_blocks_apart and asked == []
     assert _trainer(tiny_model_dir, "train.activation_checkpointing=true").heap.large_blocks_apart and asked == [True]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # the user's own setting: left as it is
+    assert not _trainer(tiny_model_dir, "train.activation_checkpointing=true").heap.large_blocks_apart
+    assert asked == [True]
 
 
 
