@@ -1,5 +1,6 @@
 """The matmul kernels behind the native engine, side by side: MKL (torch's fp32 `aten::mm` on CPU)
-against oneDNN over a packed weight (colorl/kernels.py), on SmolLM2-135M's shapes.
+against oneDNN over a packed weight (colorl/kernels.py), on SmolLM2-135M's shapes; and oneDNN over the
+plain weight, which costs no second copy of the weights (`plain / packed`: what the packed copy buys).
 
 For each row count M (decode batch sizes, and a training-sized 2048) and thread count, both
 kernels run every projection of the 30 layers (distinct weights, as in the model, so they do not
@@ -64,19 +65,24 @@ def main() -> None:
             mkl = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
             dnnl = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: E731
                             for w, p in zip(weights, packed)]
-            times = {"mkl": [], "onednn": []}
+            plain = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], w, None, "none", [], "")  # noqa: E731
+                             for w in weights]
+            times = {"mkl": [], "onednn": [], "plain": []}
             for _ in range(args.rounds):
                 times["mkl"].append(timed(mkl))
                 times["onednn"].append(timed(dnnl))
+                times["plain"].append(timed(plain))
             med = {k: statistics.median(v) for k, v in times.items()}
             rows_out.append({"threads": threads, "rows": m, "mkl_ms": med["mkl"] * 1e3, "onednn_ms": med["onednn"] * 1e3,
                              "mkl_gflops": flops / med["mkl"] / 1e9, "onednn_gflops": flops / med["onednn"] / 1e9,
-                             "speedup": med["mkl"] / med["onednn"]})
+                             "speedup": med["mkl"] / med["onednn"], "plain_ms": med["plain"] * 1e3,
+                             "plain_over_packed": med["plain"] / med["onednn"]})
             r = rows_out[-1]
             r["floor_ms"] = max(flops / rate, weight_bytes / bandwidth) * 1e3
             r["onednn_over_floor"] = r["onednn_ms"] / r["floor_ms"]
             print(f"threads {threads} rows {m:5d}: MKL {r['mkl_ms']:8.1f} ms ({r['mkl_gflops']:5.0f} GFLOP/s)   "
-                  f"oneDNN packed {r['onednn_ms']:8.1f} ms ({r['onednn_gflops']:5.0f} GFLOP/s)   {r['speedup']:.2f}x", flush=True)
+                  f"oneDNN packed {r['onednn_ms']:8.1f} ms ({r['onednn_gflops']:5.0f} GFLOP/s)   {r['speedup']:.2f}x   "
+                  f"oneDNN plain {r['plain_ms']:8.1f} ms ({r['plain_over_packed']:.2f}x packed)", flush=True)
         print(f"threads {threads}: read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul rate {rate / 1e9:.0f} GFLOP/s; " + ", ".join(
             f"rows {row['rows']}: oneDNN {row['onednn_over_floor']:.2f}x its floor ({row['floor_ms']:.1f} ms)"
             for row in rows_out if row["threads"] == threads and "floor_ms" in row), flush=True)
