@@ -30,11 +30,13 @@ import ctypes
 import functools
 import os
 
+from colorl.launch import CPU_RANK_ENV
+
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 LARGE_BLOCK = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
-_M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4  # glibc's malloc.h
-_GLIBC_MMAP_MAX = 65536  # glibc's own default count of mappings
+M_MMAP_THRESHOLD, M_MMAP_MAX = -3, -4  # glibc's malloc.h
+GLIBC_MMAP_MAX = 65536  # glibc's own default count of mappings
 
 
 @functools.cache
@@ -52,7 +54,8 @@ def _malloc_trim():
 def heap_kept() -> bool:
     """The environment asks for the kept heap `colorl train` gives its CPU ranks (launch.CPU_RANK_ENV) and names
     no mmap threshold of the user's own: glibc's defaults and a user's (or a measurement's) settings stay."""
-    return os.environ.get("MALLOC_MMAP_MAX_") == "0" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    kept = "MALLOC_MMAP_MAX_"
+    return os.environ.get(kept) == CPU_RANK_ENV[kept] and "MALLOC_MMAP_THRESHOLD_" not in os.environ
 
 
 def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
@@ -60,9 +63,9 @@ def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
     the OS at once and leaves no hole in the heap (module docstring). The heap keeps every smaller block.
     True if this C library took it; False changes nothing."""
     mallopt = _glibc("mallopt")
-    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, threshold):  # a fixed threshold, never raised by glibc
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):  # a fixed threshold, never raised by glibc
         return False
-    return bool(mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX))  # a CPU rank starts with none (launch.CPU_RANK_ENV)
+    return bool(mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX))  # a CPU rank starts with none (launch.CPU_RANK_ENV)
 
 
 def resident_bytes(pid: int | str = "self") -> int | None:

@@ -286,11 +286,12 @@ def _mapping_of(address: int) -> str | None:
 @pytest.fixture
 def kept_heap():
     """Every allocation from the heap, as in colorl's CPU ranks (MALLOC_MMAP_MAX_=0, colorl/launch.py)."""
+    from colorl.heap import GLIBC_MMAP_MAX, M_MMAP_MAX
+
     libc = ctypes.CDLL("libc.so.6")
-    m_mmap_max = -4
-    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(M_MMAP_MAX, 0)
     yield
-    libc.mallopt(m_mmap_max, 65536)  # glibc's default
+    libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
 
 
 def test_the_cpu_kv_pool_is_a_mapping_of_its_own_given_back_at_sleep(model_dir, kept_heap):
