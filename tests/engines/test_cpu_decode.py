@@ -62,17 +62,18 @@ def test_bf16_rows_kernel_equals_the_float32_product_rounded_once(compiled, rows
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-@pytest.mark.parametrize("outputs", [200, 203])
+@pytest.mark.parametrize("outputs", [200, 203, 222])
 @pytest.mark.parametrize("rows", [*range(1, cpu_decode.MAX_ROWS + 1), 9, 13, 32, 37])
 def test_panels_equal_f_linear_at_any_row_count(compiled, rows, outputs, dtype):
     """The panels' product at every row count of the few-rows loop and for many sequences, outputs not a
-    whole number of panel pairs (200 = 12 x 16 + 8: a padding panel) or of panels (203), and an odd width:
+    whole number of groups or panel pairs (200 = 4 x 48 + 8 = 12 x 16 + 8: a group with two empty vectors, a
+    padding panel; 222 = 4 x 48 + 30: a part-filled vector beside a full one) or of panels (203), and an odd width:
     float32 to rounding; bf16 one rounding of float32 sums."""
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = (t.to(dtype) for t in (torch.randn(rows, 83, generator=gen), torch.randn(outputs, 83, generator=gen),
                                              torch.randn(outputs, generator=gen)))
     panels = compiled.pack_panels(weight)
-    assert panels.numel() == 13 * 2 * cpu_decode.PANEL * 84  # whole pairs of panels and of k
+    assert panels.numel() == -(-outputs // cpu_decode.PANEL_GROUP) * cpu_decode.PANEL_GROUP * 84  # whole groups, k pairs
     for b in (bias, None):
         out = compiled.panel_linear(x, panels, outputs, b)
         exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
@@ -160,12 +161,26 @@ def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, m
     assert cpu_decode.nta_wanted()
 
 
+def test_many_rows_give_each_row_the_bits_it_gets_alone(compiled):
+    """Many rows take a group's k's in blocks (192 at a time with AVX-512), their sums kept in float32 between
+    blocks: each output is still one run of FMAs along k, so a row's result in a 20-row product (two whole
+    tiles of 8 and a part one) has the same bits as that row alone through the few-rows loop. 400 inputs: two
+    whole blocks and a part one."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight, bias = torch.randn(20, 400, generator=gen), torch.randn(222, 400, generator=gen), torch.randn(222, generator=gen)
+    panels = compiled.pack_panels(weight)
+    together = compiled.panel_linear(x, panels, 222, bias)
+    torch.testing.assert_close(together, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    for row in range(20):
+        assert torch.equal(together[row:row + 1], compiled.panel_linear(x[row:row + 1], panels, 222, bias))
+
+
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 @pytest.mark.parametrize("rows", [2, 8, 32])
 def test_panels_give_the_same_bits_at_any_thread_count(compiled, rows, dtype):
-    """Each thread takes one contiguous run of a product's pairs of panels (the tiles', the k-pairs' and the
-    FMA loops' alike): at 1-5 threads, runs that do not divide the 32 pairs evenly included, every pair is
-    computed, by the same arithmetic whichever thread takes it. A pair left out would show in the bits."""
+    """Each thread takes one contiguous run of a product's groups or pairs of panels (the tiles', the k-pairs'
+    and the FMA loops' alike): at 1-5 threads, runs that do not divide the 21 groups (32 pairs) evenly included,
+    every one is computed, by the same arithmetic whichever thread takes it. One left out would show in the bits."""
     gen = torch.Generator().manual_seed(rows)
     x, weight = (t.to(dtype) for t in (torch.randn(rows, 576, generator=gen), torch.randn(1000, 576, generator=gen)))
     panels = compiled.pack_panels(weight)

@@ -35,7 +35,7 @@ PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks
 _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what COLORL_CPU_DECODE_ROWS may name
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
-PANEL = 8  # outputs per panel (cpu_decode_loops.h); the panels of many rows read them in pairs
+PANEL_GROUP = 48  # outputs per group of the AVX-512 loops' panels (GROUP in cpu_decode_loops.h)
 LAYER_MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a layer's matrices, each with its panels for many rows
 # The race runs decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and down
 # projections ([out, in]), with each sequence's attention over RACE_CONTEXT tokens. Kernels rank differently over
@@ -128,9 +128,10 @@ def layer_tensors(dtype: torch.dtype, cache: torch.Tensor, panels: dict[str, tor
 
 
 def panel_elements(n_out: int, n_in: int) -> int:
-    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole pairs of panels, times n_in rounded
-    up to whole pairs of k (the bf16 panels of a CPU with AVX512-BF16 hold k in pairs: cpu_decode_kpairs.h)."""
-    return -(-n_out // (2 * PANEL)) * 2 * PANEL * (n_in + n_in % 2)
+    """The size of a [n_out, n_in] matrix's panels: n_out rounded up to whole groups of PANEL_GROUP outputs (the
+    AVX-512 loops' groups; AVX2's pairs of panels, 16 outputs, fit in them), times n_in rounded up to whole pairs
+    of k (the bf16 panels of a CPU with AVX512-BF16 hold k in pairs: cpu_decode_kpairs.h)."""
+    return -(-n_out // PANEL_GROUP) * PANEL_GROUP * (n_in + n_in % 2)
 
 
 class DecodeStep(ctypes.Structure):

@@ -71,36 +71,213 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
 }
 
 /* ---------------------------------------------------------------- products over panels
- * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) over the weights packed once per version in panels of
- * PANEL outputs, k-major ([N/PANEL, K, PANEL], N zero-padded to a whole pair of panels): the layout
- * both kinds of step read as one sequential stream per panel, with no horizontal sums.
+ * y[b, n] = x[b, :] . w[n, :] (+ bias[n]) over the weights packed once per version, k-major: with AVX-512 in
+ * groups of GROUP outputs ([N/GROUP, K, GROUP]), on AVX2 in panels of PANEL outputs read in pairs ([N/PANEL, K,
+ * PANEL], N zero-padded to a whole pair): the layout both kinds of step read as one sequential stream per
+ * group (per panel), with no horizontal sums.
  *
  * More rows than the rows kernel takes (MAX_ROWS in cpu_decode.py): a product bound by arithmetic,
  * not by the stream of weights. oneDNN reaches about a third of this CPU's matmul rate there (28
  * GFLOP/s of 76 on one Zen 3 core at 32 rows); these loops reach about 80 % (bench/README.md, issue
- * 31), in the classic way: x packed per call in tiles of rows (TILE_ROWS of them each, [K, rows], float32),
- * and a TILE x 2 PANEL block of sums over a pair of panels held in twelve vector registers while k runs:
- * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's
- * sixteen: the weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them).
- * Each thread streams its own run of pairs once (the first tile asks for them PANEL_AHEAD values
- * ahead, as the rows kernel does); the later tiles of a pair read it again from L2.
+ * 31), in the classic way: x packed per call in tiles of rows ([K, rows], float32), and a block of sums
+ * held in registers while k runs. On AVX2 a TILE x 2 PANEL block over a pair of panels, twelve registers:
+ * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's sixteen: the
+ * weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them); with AVX-512 an 8 x
+ * GROUP block, 24 registers (below). Each thread streams its own run of groups (pairs) once (the first tile
+ * asks for them PANEL_AHEAD values ahead, as the rows kernel does); the later tiles read them again from L2.
  *
  * Up to 8 rows (a decode step's tail, where the race in cpu_decode.py picks them over the rows
- * kernel): B x PANEL sums in B registers, per k one weight vector and B broadcasts of x (packed
- * k-major, [K, B]). The rows kernel's dot products load a whole vector of x per FMA; a broadcast is
+ * kernel): B rows of sums in registers, per k the group's (panel's) weight vectors and B broadcasts of x
+ * (packed k-major, [K, B]). The rows kernel's dot products load a whole vector of x per FMA; a broadcast is
  * a narrower load, and on AVX2 the 8-row dot-product loop also spills three of its sixteen sums:
- * over the same 85 MB on one Zen 3 core these loops read 0.82-0.85x a plain sum's rate at 8 rows,
- * the rows kernel 0.69x (bench/rows_stream.py). At 1-3 rows they wait on their FMAs' latency. They ask for
- * the stream as the rows kernel does at the same rows (STREAM_AHEAD, cpu_decode.c): non-temporally at 1-2. */
+ * over the same 85 MB on one Zen 3 core the panels read 0.82-0.85x a plain sum's rate at 8 rows,
+ * the rows kernel 0.69x (bench/rows_stream.py). They ask for the stream as the rows kernel does at the
+ * same rows (STREAM_AHEAD, cpu_decode.c): non-temporally at 1-2. */
 #define PANEL 8
 #define PANEL_AHEAD 2048
-#define LINE_KS (64 / (PANEL * (int)sizeof(ELEM))) /* the k's of a panel in one 64-byte line */
+
+/* Row b's sums for outputs n0.. (width of them, the rest padding), plus the bias, into y. */
+static inline void NAMED(store_sums)(ELEM *row, v8 sums, const float *bv, int64_t width) {
+    if (width == PANEL) {
+        STORE8(row, sums + load8(bv));
+    } else {
+        float out[PANEL];
+        store8(out, sums + load8(bv));
+        for (int64_t j = 0; j < width; j++) STORE1(row + j, out[j]);
+    }
+}
+
+static inline void NAMED(panel_bias)(const ELEM *bias, int64_t n0, int64_t width, float *bv) {
+    for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
+}
+
+/* The pair of panels at outputs n0..: each panel's width (0 for padding) and bias. */
+static inline void NAMED(pair_bias)(const ELEM *bias, int64_t N, int64_t n0, int64_t widths[2], float bv[2][PANEL]) {
+    for (int v = 0; v < 2; v++) {
+        int64_t left = N - n0 - v * PANEL;
+        widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
+        NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
+    }
+}
+
+#if defined(__AVX512F__)
+/* With AVX-512 the panels are groups of GROUP = 48 outputs, k-major ([N/GROUP, K, GROUP], N zero-padded to
+ * whole groups): per k three 16-wide weight vectors, one after the other, and per row of x one broadcast that
+ * feeds three FMAs. Up to 8 rows' sums (24 registers of 32) are held while k runs; a group streams as one
+ * sequence of 192-byte rows. Pairs of 8-wide panels (16 outputs a register, as the AVX2 loops below read them)
+ * loaded one vector of x per FMA's worth of weights and read 8 rows of float32 at 0.55-0.6x a plain sum's rate
+ * from memory on a Zen 5 core (40 GB/s from L2, where 8 rows' FMAs alone would take 62); three pairs read as
+ * three streams 36 KB apart, 0.5x; one group of 48, 0.85-0.95x, and 60 GB/s from L2 (bench/README.md, "Groups
+ * of 48"). Many rows take tiles of 8 rows against a group, block of k by block (panels_many), the first tile
+ * streaming it (asking PANEL_AHEAD values ahead, as the rows kernel does), the others reading it from L1. */
+#define GROUP_VECS 3
+#define GROUP (GROUP_VECS * 16)
+#define GROUP_TILE 8 /* rows of x whose sums a group's loop holds at once */
+#define ASK_KS (4 / (int)sizeof(ELEM)) /* the k's of a group in 192 bytes: its three lines a float32 k holds */
 
 void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
 #if KPAIR_PANELS
     kpairs_pack_bf16(w, panels, N, K, threads); /* cpu_decode_kpairs.h */
     return;
 #endif
+    int64_t groups = (N + GROUP - 1) / GROUP;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < GROUP; j++) {
+                int64_t n = g * GROUP + j;
+                ELEM zero;
+                memset(&zero, 0, sizeof zero);
+                panels[(g * K + k) * GROUP + j] = n < N ? w[n * K + k] : zero;
+            }
+}
+
+/* The 192 bytes at p (three lines): asked for as the rows kernel asks at `rows` rows (STREAM_AHEAD), or into L2. */
+#define ASK_LINES(ask, p)                                                                          \
+    do {                                                                                           \
+        const char *line_ = (const char *)(p);                                                     \
+        ask(line_);                                                                                \
+        ask(line_ + 64);                                                                           \
+        ask(line_ + 128);                                                                          \
+    } while (0)
+
+/* R rows of x (xt [K, R]) against the group at wg over k0..k1, added to the 3 x R sums in c, which stay in
+ * registers where R is a constant (it is inlined). stream: ask for the group's lines ahead (the tile that reads
+ * it from memory). */
+static inline __attribute__((always_inline)) void NAMED(group_sums)(const float *xt, const ELEM *wg, int64_t k0,
+                                                                   int64_t k1, int R, int stream, const char *ahead,
+                                                                   int ahead_lines, v16 c[GROUP_TILE][GROUP_VECS]) {
+    for (int64_t k = k0; k < k1; k++) {
+        const ELEM *wk = wg + k * GROUP;
+        for (int l = 0; l < ahead_lines; l++) __builtin_prefetch(ahead + ((k - k0) * ahead_lines + l) * 64, 0, 2);
+#define STREAM_LINE(line) STREAM_AHEAD(R, line)
+        if (stream && k % ASK_KS == 0) ASK_LINES(STREAM_LINE, wk + PANEL_AHEAD);
+#undef STREAM_LINE
+        v16 w[GROUP_VECS];
+#pragma GCC unroll 3
+        for (int j = 0; j < GROUP_VECS; j++) w[j] = LOADW(wk + 16 * j);
+        const float *xk = xt + k * R;
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < GROUP_VECS; j++) c[i][j] += w[j] * xk[i];
+    }
+}
+
+/* One row's sums for the group at outputs n0.. (those below N), plus the bias, into that row of y. */
+static inline void NAMED(group_store)(const v16 sums[GROUP_VECS], ELEM *row, const ELEM *bias, int64_t N, int64_t n0) {
+    for (int j = 0; j < GROUP_VECS; j++)
+        for (int h = 0; h < 2; h++) {
+            int64_t m = n0 + 16 * j + PANEL * h, width = N - m < PANEL ? N - m : PANEL;
+            if (width <= 0) return;
+            float bv[PANEL];
+            NAMED(panel_bias)(bias, m, width, bv);
+            NAMED(store_sums)(row + m, half16(sums[j], h), bv, width);
+        }
+}
+
+/* Groups g0..g1 against B <= 8 rows of x packed k-major (xt [K, B]); B is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
+                                                                   const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                                                                   int64_t K, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++) {
+        v16 c[GROUP_TILE][GROUP_VECS];
+#pragma GCC unroll 8
+        for (int i = 0; i < B; i++)
+            for (int j = 0; j < GROUP_VECS; j++) c[i][j] = (v16){0};
+        NAMED(group_sums)(xt, panels + g * K * GROUP, 0, K, B, 1, NULL, 0, c);
+        for (int64_t b = 0; b < B; b++) NAMED(group_store)(c[b], y + b * N, bias, N, g * GROUP);
+    }
+}
+#define FEW_UNITS(N) (((N) + GROUP - 1) / GROUP) /* what panel_rows' g0..g1 count: groups */
+
+/* More than 8 rows: x laid out once per call in tiles of GROUP_TILE rows ([K, 8] each, zeros past B); each
+ * thread one contiguous run of groups. A group's k's are taken GROUP_KS at a time (36 KB of float32, in L1), each
+ * block against every tile in turn, the first tile streaming it: the tiles' sums wait in `carried` between blocks
+ * (float32, added to in the same order of k, so the bits are those of one pass). Taking the whole group per tile,
+ * 110 KB from L2 after the first, ran [3072, 576] products at 32 rows at 175-190 GFLOP/s on a Zen 5 core where
+ * the pairs' 16-row tiles ran at 200-207; blocks of 192 k's, 190-207. */
+#define GROUP_KS 192
+static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                              int64_t K, int threads) {
+    int64_t groups = (N + GROUP - 1) / GROUP, tiles = (B + GROUP_TILE - 1) / GROUP_TILE;
+    float *xp = malloc(sizeof(float) * tiles * GROUP_TILE * K);
+    if (!xp) return COLORL_NO_MEMORY;
+    int failed = 0, team = threads > 1 && groups >= 2 * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t i = 0, b = t * GROUP_TILE; i < GROUP_TILE; i++, b++)
+                    xp[(t * K + k) * GROUP_TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+        v16 *carried = aligned_alloc(sizeof(v16), sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS); /* [tiles][8][3] */
+        if (!carried) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            int64_t nt = omp_get_num_threads(), share = (groups + nt - 1) / nt;
+            int64_t g0 = omp_get_thread_num() * share, g1 = g0 + share < groups ? g0 + share : groups;
+            for (int64_t g = g0; g < g1; g++) {
+                const ELEM *wg = panels + g * K * GROUP;
+                memset(carried, 0, sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS);
+                for (int64_t k0 = 0; k0 < K; k0 += GROUP_KS) {
+                    int64_t k1 = k0 + GROUP_KS < K ? k0 + GROUP_KS : K;
+                    for (int64_t t = 0; t < tiles; t++) {
+                        v16 c[GROUP_TILE][GROUP_VECS], *sums = carried + t * GROUP_TILE * GROUP_VECS;
+#pragma GCC unroll 8
+                        for (int i = 0; i < GROUP_TILE; i++)
+                            for (int j = 0; j < GROUP_VECS; j++) c[i][j] = sums[i * GROUP_VECS + j];
+                        const float *xt = xp + t * K * GROUP_TILE;
+                        /* tiles 1..P ask for the next block (the next group's first at the end) into L2 */
+                        int P = tiles - 1 < 3 ? (int)tiles - 1 : 3, L = P ? (3 + P - 1) / P : 0;
+                        const char *after = (const char *)(wg + k1 * GROUP);
+                        int asks = t >= 1 && t <= P && (k1 < K || g + 1 < g1);
+                        if (t == 0)
+                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 1, NULL, 0, c);
+                        else if (asks)
+                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, after + (t - 1) * (k1 - k0) * L * 64, L, c);
+                        else
+                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, NULL, 0, c);
+#pragma GCC unroll 8
+                        for (int i = 0; i < GROUP_TILE; i++)
+                            for (int j = 0; j < GROUP_VECS; j++) sums[i * GROUP_VECS + j] = c[i][j];
+                    }
+                }
+                for (int64_t b = 0; b < B; b++)
+                    NAMED(group_store)(carried + b * GROUP_VECS, y + b * N, bias, N, g * GROUP);
+            }
+        }
+        free(carried);
+    }
+    free(xp);
+    return failed ? COLORL_NO_MEMORY : 0;
+}
+#else
+/* AVX2: pairs of panels of PANEL outputs, k-major ([N/PANEL, K, PANEL], N zero-padded to a whole pair). */
+#define LINE_KS (64 / (PANEL * (int)sizeof(ELEM))) /* the k's of a panel in one 64-byte line */
+
+void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
     int64_t count = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && count > 1)
     for (int64_t p = 0; p < count; p++)
@@ -113,58 +290,14 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
             }
 }
 
-#if defined(__AVX512F__)
-/* With AVX-512 (32 registers of 16 floats) a pair of panels is one register: per k the two weight
- * vectors are joined (one vshuff32x4) and up to TILE = 16 broadcasts feed sixteen 16-wide FMAs, twice the
- * arithmetic per instruction of the 8-wide tile below, which ran at 38 % of an AVX-512 core's matmul
- * rate (bench/README.md, the Xeon's floors). Sixteen rows of sums keep sixteen FMAs in flight (two ports
- * times their latency of four, twice over) and read each pair once per 16 rows; the last rows of a
- * product, 8 or fewer, take a tile of 8 rather than a half-empty one of 16 (TILE_ROWS). */
-#define TILE 16
-#define TILE_ROWS(left) ((left) > 8 ? 16 : 8)
-
-/* k's 8 weights of panel a and of panel b, as one 16-wide register (one vshuff32x4). */
-static inline v16 NAMED(pair_at)(const ELEM *a, const ELEM *b) {
-    return __builtin_shufflevector(LOAD8(a), LOAD8(b), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-/* R rows of x (xt [K, R]) against a pair of panels; R is a constant where it is inlined, so the sums stay in
- * registers. fetch: ask for this pair's next lines ahead (the tile that streams it); next: the following pair's
- * panels, asked for into L2 a line at a time as this tile reads the pair from cache (NULL: none). */
-static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int R, int fetch, const ELEM *next,
-                                                                   v8 c[TILE][2]) {
-    v16 s[TILE];
-#pragma GCC unroll 16
-    for (int i = 0; i < R; i++) s[i] = (v16){0};
-    for (int64_t k = 0; k < K; k++) {
-        const ELEM *ka = wa + k * PANEL, *kb = wb + k * PANEL;
-        if (fetch) {
-            __builtin_prefetch(ka + PANEL_AHEAD, 0, 2);
-            __builtin_prefetch(kb + PANEL_AHEAD, 0, 2);
-        }
-        if (next && k % LINE_KS == 0) {
-            __builtin_prefetch(next + k * PANEL, 0, 2);
-            __builtin_prefetch(next + (K + k) * PANEL, 0, 2);
-        }
-        v16 w = NAMED(pair_at)(ka, kb);
-        const float *xk = xt + k * R;
-#pragma GCC unroll 16
-        for (int i = 0; i < R; i++) s[i] += w * xk[i];
-    }
-    for (int i = 0; i < R; i++) {
-        c[i][0] = half16(s[i], 0);
-        c[i][1] = half16(s[i], 1);
-    }
-}
-#else
 #define TILE 6
-#define TILE_ROWS(left) TILE
 
+/* TILE rows of x (xt [K, TILE]) against a pair of panels. fetch: ask for this pair's next lines ahead (the tile
+ * that streams it); next: the following pair's panels, asked for into L2 a line at a time as this tile reads the
+ * pair from cache (NULL: none). */
 static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float *xt, const ELEM *wa, const ELEM *wb,
-                                                                   int64_t K, int R, int fetch, const ELEM *next,
+                                                                   int64_t K, int fetch, const ELEM *next,
                                                                    v8 c[TILE][2]) {
-    (void)R; /* always TILE */
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
@@ -195,63 +328,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_tile)(const float 
     c[0][0] = c00; c[0][1] = c01; c[1][0] = c10; c[1][1] = c11; c[2][0] = c20; c[2][1] = c21;
     c[3][0] = c30; c[3][1] = c31; c[4][0] = c40; c[4][1] = c41; c[5][0] = c50; c[5][1] = c51;
 }
-#endif
 
-/* Row b's sums for outputs n0.. (width of them, the rest padding), plus the bias, into y. */
-static inline void NAMED(store_sums)(ELEM *row, v8 sums, const float *bv, int64_t width) {
-    if (width == PANEL) {
-        STORE8(row, sums + load8(bv));
-    } else {
-        float out[PANEL];
-        store8(out, sums + load8(bv));
-        for (int64_t j = 0; j < width; j++) STORE1(row + j, out[j]);
-    }
-}
-
-static inline void NAMED(panel_bias)(const ELEM *bias, int64_t n0, int64_t width, float *bv) {
-    for (int64_t j = 0; j < PANEL; j++) bv[j] = bias && j < width ? LOAD1(bias + n0 + j) : 0.0f;
-}
-
-/* The pair of panels at outputs n0..: each panel's width (0 for padding) and bias. */
-static inline void NAMED(pair_bias)(const ELEM *bias, int64_t N, int64_t n0, int64_t widths[2], float bv[2][PANEL]) {
-    for (int v = 0; v < 2; v++) {
-        int64_t left = N - n0 - v * PANEL;
-        widths[v] = left < 0 ? 0 : left < PANEL ? left : PANEL;
-        NAMED(panel_bias)(bias, n0 + v * PANEL, widths[v], bv[v]);
-    }
-}
-
-#if defined(__AVX512F__)
-/* Pairs of panels q0..q1 against B <= 8 rows of x packed k-major (xt [K, B]), a pair in one 16-wide
- * register as in the tile above: per k B FMAs for 16 outputs where the 8-wide loop below needs B
- * for 8. B is a constant where it is inlined, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
-                                                                   const ELEM *bias, ELEM *y, int64_t B, int64_t N,
-                                                                   int64_t K, int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; q++) {
-        const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
-        v16 c[8] = {{0}};
-        for (int64_t k = 0; k < K; k++) {
-            if (!(k & 1)) {
-                STREAM_AHEAD(B, wa + k * PANEL + PANEL_AHEAD);
-                STREAM_AHEAD(B, wb + k * PANEL + PANEL_AHEAD);
-            }
-            v16 w = NAMED(pair_at)(wa + k * PANEL, wb + k * PANEL);
-            const float *xk = xt + k * B;
-#pragma GCC unroll 8
-            for (int64_t b = 0; b < B; b++) c[b] += w * xk[b];
-        }
-        for (int v = 0; v < 2; v++) {
-            int64_t n0 = (2 * q + v) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-            if (width <= 0) break;
-            float bv[PANEL];
-            NAMED(panel_bias)(bias, n0, width, bv);
-            for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, half16(c[b], v), bv, width);
-        }
-    }
-}
-#define FEW_UNITS(N) (((N) + 2 * PANEL - 1) / (2 * PANEL)) /* what panel_rows' q0..q1 count: pairs */
-#else
 /* Panels p0..p1 against B <= 8 rows of x packed k-major (xt [K, B]). B is a constant where it is
  * inlined, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float *xt, const ELEM *panels,
@@ -273,11 +350,52 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
         for (int64_t b = 0; b < B; b++) NAMED(store_sums)(y + b * N + n0, c[b], bv, width);
     }
 }
-
 #define FEW_UNITS(N) (((N) + PANEL - 1) / PANEL) /* panels */
+
+/* More than 8 rows: x laid out once per call in tiles of TILE rows ([K, TILE] each, zeros past B); each thread one
+ * contiguous run of pairs of panels, each pair against every tile in turn. */
+static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                              int64_t K, int threads) {
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), tiles = (B + TILE - 1) / TILE;
+    float *xp = malloc(sizeof(float) * tiles * TILE * K);
+    if (!xp) return COLORL_NO_MEMORY;
+    int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t i = 0, b = t * TILE; i < TILE; i++, b++)
+                    xp[(t * K + k) * TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
+        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+        for (int64_t q = q0; q < q1; q++) {
+            const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
+            int64_t n0 = 2 * q * PANEL, widths[2];
+            float bv[2][PANEL];
+            NAMED(pair_bias)(bias, N, n0, widths, bv);
+            /* The first tile streams the pair, asking for it ahead; the second reads it from cache, and meanwhile
+             * asks for the next pair (into L2), which the memory would otherwise idle through. */
+            const ELEM *next = q + 1 < q1 ? wb + K * PANEL : NULL;
+            for (int64_t t = 0; t < tiles; t++) {
+                v8 c[TILE][2];
+                const float *xt = xp + t * K * TILE;
+                if (t == 0)
+                    NAMED(panel_tile)(xt, wa, wb, K, 1, NULL, c);
+                else
+                    NAMED(panel_tile)(xt, wa, wb, K, 0, t == 1 ? next : NULL, c);
+                for (int64_t i = 0, b = t * TILE; i < TILE && b < B; i++, b++)
+                    for (int v = 0; v < 2; v++)
+                        if (widths[v]) NAMED(store_sums)(y + b * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
 #endif
 
-/* Up to 8 rows: each thread one contiguous run of panels (of pairs of panels with AVX-512). */
+/* Up to 8 rows: each thread one contiguous run of groups (of panels on AVX2). */
 static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                              int64_t K, int threads) {
     int64_t count = FEW_UNITS(N);
@@ -316,44 +434,7 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
     return kpairs_fma_bf16(x, panels, bias, y, B, N, K, threads);
 #endif
     if (B <= 8) return NAMED(panels_few)(x, panels, bias, y, B, N, K, threads);
-    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), packed = 0;
-    for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) packed += TILE_ROWS(B - b0);
-    float *xp = malloc(sizeof(float) * packed * K); /* tile by tile from row b0: [K, R], zeros past B */
-    if (!xp) return COLORL_NO_MEMORY;
-    int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0))
-                for (int64_t i = 0, R = TILE_ROWS(B - b0); i < R; i++)
-                    xp[b0 * K + k * R + i] = b0 + i < B ? LOAD1(x + (b0 + i) * K + k) : 0.0f;
-        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
-        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
-        for (int64_t q = q0; q < q1; q++) {
-            const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
-            int64_t n0 = 2 * q * PANEL, widths[2];
-            float bv[2][PANEL];
-            NAMED(pair_bias)(bias, N, n0, widths, bv);
-            /* The first tile streams the pair, asking for it ahead; the second reads it from cache, and meanwhile asks for
-             * the next pair (into L2), which the memory would otherwise idle through. */
-            const ELEM *next = q + 1 < q1 ? wb + K * PANEL : NULL;
-            for (int64_t b0 = 0; b0 < B; b0 += TILE_ROWS(B - b0)) {
-                int R = TILE_ROWS(B - b0), first = b0 == 0;
-                const ELEM *ask = b0 == TILE_ROWS(B) ? next : NULL;
-                v8 c[TILE][2];
-                if (R == TILE)
-                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 1, NULL, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, TILE, 0, ask, c);
-                else
-                    first ? NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 1, NULL, c) : NAMED(panel_tile)(xp + b0 * K, wa, wb, K, 8, 0, ask, c);
-                for (int64_t i = 0; i < R && b0 + i < B; i++)
-                    for (int v = 0; v < 2; v++)
-                        if (widths[v]) NAMED(store_sums)(y + (b0 + i) * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
-            }
-        }
-    }
-    free(xp);
-    return 0;
+    return NAMED(panels_many)(x, panels, bias, y, B, N, K, threads);
 }
 
 /* ---------------------------------------------------------------- RoPE and the KV write
