@@ -120,6 +120,13 @@ static inline void NAMED(pair_bias)(const ELEM *bias, int64_t N, int64_t n0, int
     }
 }
 
+/* Column k of x's rows in tiles of R rows ([tiles][K][R] floats from row 0, zeros past B): what the many-rows
+ * loops broadcast, one row's value at a time. */
+static inline void NAMED(tile_x)(const ELEM *x, float *xp, int64_t B, int64_t K, int64_t tiles, int64_t R, int64_t k) {
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t i = 0, b = t * R; i < R; i++, b++) xp[(t * K + k) * R + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+}
+
 #if defined(__AVX512F__)
 /* With AVX-512 the panels are groups of GROUP = 48 outputs, k-major ([N/GROUP, K, GROUP], N zero-padded to
  * whole groups): per k three 16-wide weight vectors, one after the other, and per row of x one broadcast that
@@ -135,22 +142,8 @@ static inline void NAMED(pair_bias)(const ELEM *bias, int64_t N, int64_t n0, int
 #define GROUP_TILE 8 /* rows of x whose sums a group's loop holds at once */
 #define ASK_KS (4 / (int)sizeof(ELEM)) /* the k's of a group in 192 bytes: its three lines a float32 k holds */
 
-void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
-#if KPAIR_PANELS
-    kpairs_pack_bf16(w, panels, N, K, threads); /* cpu_decode_kpairs.h */
-    return;
-#endif
-    int64_t groups = (N + GROUP - 1) / GROUP;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && groups > 1)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < GROUP; j++) {
-                int64_t n = g * GROUP + j;
-                ELEM zero;
-                memset(&zero, 0, sizeof zero);
-                panels[(g * K + k) * GROUP + j] = n < N ? w[n * K + k] : zero;
-            }
-}
+#define PACK_WIDTH GROUP /* colorl_pack_panels: outputs per unit, and units for N outputs */
+#define PACK_UNITS(N) (((N) + GROUP - 1) / GROUP)
 
 /* The 192 bytes at p (three lines): asked for as the rows kernel asks at `rows` rows (STREAM_AHEAD), or into L2. */
 #define ASK_LINES(ask, p)                                                                          \
@@ -227,10 +220,7 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
 #pragma omp parallel num_threads(team) if (team > 1)
     {
 #pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t t = 0; t < tiles; t++)
-                for (int64_t i = 0, b = t * GROUP_TILE; i < GROUP_TILE; i++, b++)
-                    xp[(t * K + k) * GROUP_TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+        for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xp, B, K, tiles, GROUP_TILE, k);
         v16 *carried = aligned_alloc(sizeof(v16), sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS); /* [tiles][8][3] */
         if (!carried) {
 #pragma omp atomic write
@@ -277,18 +267,8 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
 /* AVX2: pairs of panels of PANEL outputs, k-major ([N/PANEL, K, PANEL], N zero-padded to a whole pair). */
 #define LINE_KS (64 / (PANEL * (int)sizeof(ELEM))) /* the k's of a panel in one 64-byte line */
 
-void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
-    int64_t count = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && count > 1)
-    for (int64_t p = 0; p < count; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < PANEL; j++) {
-                int64_t n = p * PANEL + j;
-                ELEM zero;
-                memset(&zero, 0, sizeof zero);
-                panels[(p * K + k) * PANEL + j] = n < N ? w[n * K + k] : zero;
-            }
-}
+#define PACK_WIDTH PANEL
+#define PACK_UNITS(N) (((N) + 2 * PANEL - 1) / (2 * PANEL) * 2) /* whole pairs */
 
 #define TILE 6
 
@@ -363,10 +343,7 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
 #pragma omp parallel num_threads(team) if (team > 1)
     {
 #pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t t = 0; t < tiles; t++)
-                for (int64_t i = 0, b = t * TILE; i < TILE; i++, b++)
-                    xp[(t * K + k) * TILE + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
+        for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xp, B, K, tiles, TILE, k);
         int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
         int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
         for (int64_t q = q0; q < q1; q++) {
@@ -394,6 +371,25 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
     return 0;
 }
 #endif
+
+/* w [N, K] into its units (groups, or panels in pairs), k-major, zeros past N; the k-pair panels where the CPU has
+ * them (cpu_decode_kpairs.h). */
+void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K, int threads) {
+#if KPAIR_PANELS
+    kpairs_pack_bf16(w, panels, N, K, threads);
+    return;
+#endif
+    int64_t units = PACK_UNITS(N);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PACK_WIDTH; j++) {
+                int64_t n = u * PACK_WIDTH + j;
+                ELEM zero;
+                memset(&zero, 0, sizeof zero);
+                panels[(u * K + k) * PACK_WIDTH + j] = n < N ? w[n * K + k] : zero;
+            }
+}
 
 /* Up to 8 rows: each thread one contiguous run of groups (of panels on AVX2). */
 static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
