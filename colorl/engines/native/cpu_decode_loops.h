@@ -203,6 +203,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
     }
 }
 #define FEW_UNITS(N) (((N) + GROUP - 1) / GROUP) /* what panel_rows' g0..g1 count: groups */
+#define FEW_TEAM_OUTPUTS 128 /* outputs per thread from which a few rows' product splits (8 pairs of 16 panels held) */
 
 /* More than 8 rows: x laid out once per call in tiles of GROUP_TILE rows ([K, 8] each, zeros past B); each
  * thread one contiguous run of groups. A group's k's are taken GROUP_KS at a time (36 KB of float32, in L1), each
@@ -331,6 +332,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
     }
 }
 #define FEW_UNITS(N) (((N) + PANEL - 1) / PANEL) /* panels */
+#define FEW_TEAM_OUTPUTS 64 /* 8 panels */
 
 /* More than 8 rows: x laid out once per call in tiles of TILE rows ([K, TILE] each, zeros past B); each thread one
  * contiguous run of pairs of panels, each pair against every tile in turn. */
@@ -391,7 +393,8 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
             }
 }
 
-/* Up to 8 rows: each thread one contiguous run of groups (of panels on AVX2). */
+/* Up to 8 rows: each thread one contiguous run of groups (of panels on AVX2), split among the threads when each
+ * gets FEW_TEAM_OUTPUTS outputs or more (counted in outputs: a [576, K] matrix is 12 groups and 36 pairs). */
 static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                              int64_t K, int threads) {
     int64_t count = FEW_UNITS(N);
@@ -399,7 +402,7 @@ static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias
     if (!xt) return COLORL_NO_MEMORY;
     for (int64_t k = 0; k < K; k++)
         for (int64_t b = 0; b < B; b++) xt[k * B + b] = LOAD1(x + b * K + k);
-    int team = threads > 1 && count >= 8 * threads ? threads : 1;
+    int team = threads > 1 && N >= FEW_TEAM_OUTPUTS * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         int64_t nt = omp_get_num_threads(), share = (count + nt - 1) / nt;
