@@ -62,13 +62,13 @@ def test_bf16_rows_kernel_equals_the_float32_product_rounded_once(compiled, rows
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-@pytest.mark.parametrize("outputs", [200, 203, 222])
+@pytest.mark.parametrize("outputs", [20, 200, 203, 222])
 @pytest.mark.parametrize("rows", [*range(1, cpu_decode.MAX_ROWS + 1), 9, 13, 32, 37])
 def test_panels_equal_f_linear_at_any_row_count(compiled, rows, outputs, dtype):
     """The panels' product at every row count of the few-rows loop and for many sequences, outputs not a
     whole number of groups or panel pairs (200 = 4 x 48 + 8 = 12 x 16 + 8: a group with two empty vectors, a
-    padding panel; 222 = 4 x 48 + 30: a part-filled vector beside a full one) or of panels (203), and an odd width:
-    float32 to rounding; bf16 one rounding of float32 sums."""
+    padding panel; 222 = 4 x 48 + 30: a part-filled vector beside a full one; 20: less than one group) or of panels
+    (203), and an odd width: float32 to rounding; bf16 one rounding of float32 sums."""
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = (t.to(dtype) for t in (torch.randn(rows, 83, generator=gen), torch.randn(outputs, 83, generator=gen),
                                              torch.randn(outputs, generator=gen)))
