@@ -84,7 +84,7 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * per k, two weight vectors and six broadcasts feed twelve FMAs (fifteen registers of AVX2's sixteen: the
  * weights stay in registers; a 4 x 24 block, sixteen, made the compiler re-load them); with AVX-512 an 8 x
  * GROUP block, 24 registers (below). Each thread streams its own run of groups (pairs) once (the first tile
- * asks for them PANEL_AHEAD values ahead, as the rows kernel does); the later tiles read them again from L2.
+ * asks for them PANEL_AHEAD values ahead, as the rows kernel does); the later tiles read them again from cache.
  *
  * Up to 8 rows (a decode step's tail, where the race in cpu_decode.py picks them over the rows
  * kernel): B rows of sums in registers, per k the group's (panel's) weight vectors and B broadcasts of x
@@ -145,15 +145,6 @@ static inline void NAMED(tile_x)(const ELEM *x, float *xp, int64_t B, int64_t K,
 #define PACK_WIDTH GROUP /* colorl_pack_panels: outputs per unit, and units for N outputs */
 #define PACK_UNITS(N) (((N) + GROUP - 1) / GROUP)
 
-/* The 192 bytes at p (three lines): asked for as the rows kernel asks at `rows` rows (STREAM_AHEAD), or into L2. */
-#define ASK_LINES(ask, p)                                                                          \
-    do {                                                                                           \
-        const char *line_ = (const char *)(p);                                                     \
-        ask(line_);                                                                                \
-        ask(line_ + 64);                                                                           \
-        ask(line_ + 128);                                                                          \
-    } while (0)
-
 /* R rows of x (xt [K, R]) against the group at wg over k0..k1, added to the 3 x R sums in c, which stay in
  * registers where R is a constant (it is inlined). stream: ask for the group's lines ahead (the tile that reads
  * it from memory). */
@@ -163,9 +154,12 @@ static inline __attribute__((always_inline)) void NAMED(group_sums)(const float 
     for (int64_t k = k0; k < k1; k++) {
         const ELEM *wk = wg + k * GROUP;
         for (int l = 0; l < ahead_lines; l++) __builtin_prefetch(ahead + ((k - k0) * ahead_lines + l) * 64, 0, 2);
-#define STREAM_LINE(line) STREAM_AHEAD(R, line)
-        if (stream && k % ASK_KS == 0) ASK_LINES(STREAM_LINE, wk + PANEL_AHEAD);
-#undef STREAM_LINE
+        if (stream && k % ASK_KS == 0) { /* the 192 bytes (three lines) ahead, as the rows kernel asks at R rows */
+            const char *line = (const char *)(wk + PANEL_AHEAD);
+            STREAM_AHEAD(R, line);
+            STREAM_AHEAD(R, line + 64);
+            STREAM_AHEAD(R, line + 128);
+        }
         v16 w[GROUP_VECS];
 #pragma GCC unroll 3
         for (int j = 0; j < GROUP_VECS; j++) w[j] = LOADW(wk + 16 * j);
@@ -218,6 +212,9 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
     float *xp = malloc(sizeof(float) * tiles * GROUP_TILE * K);
     if (!xp) return COLORL_NO_MEMORY;
     int failed = 0, team = threads > 1 && groups >= 2 * threads ? threads : 1;
+    /* tiles 1..P each ask for a share of the next block (the next group's first at the end) into L2, L lines a k
+     * (a float32 k's three lines among them) */
+    int P = tiles - 1 < 3 ? (int)tiles - 1 : 3, L = P ? (3 + P - 1) / P : 0;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
 #pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
@@ -234,19 +231,16 @@ static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bia
                 memset(carried, 0, sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS);
                 for (int64_t k0 = 0; k0 < K; k0 += GROUP_KS) {
                     int64_t k1 = k0 + GROUP_KS < K ? k0 + GROUP_KS : K;
+                    const char *after = k1 < K || g + 1 < g1 ? (const char *)(wg + k1 * GROUP) : NULL;
                     for (int64_t t = 0; t < tiles; t++) {
                         v16 c[GROUP_TILE][GROUP_VECS], *sums = carried + t * GROUP_TILE * GROUP_VECS;
 #pragma GCC unroll 8
                         for (int i = 0; i < GROUP_TILE; i++)
                             for (int j = 0; j < GROUP_VECS; j++) c[i][j] = sums[i * GROUP_VECS + j];
                         const float *xt = xp + t * K * GROUP_TILE;
-                        /* tiles 1..P ask for the next block (the next group's first at the end) into L2 */
-                        int P = tiles - 1 < 3 ? (int)tiles - 1 : 3, L = P ? (3 + P - 1) / P : 0;
-                        const char *after = (const char *)(wg + k1 * GROUP);
-                        int asks = t >= 1 && t <= P && (k1 < K || g + 1 < g1);
                         if (t == 0)
                             NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 1, NULL, 0, c);
-                        else if (asks)
+                        else if (after && t <= P)
                             NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, after + (t - 1) * (k1 - k0) * L * 64, L, c);
                         else
                             NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, NULL, 0, c);
@@ -400,8 +394,7 @@ static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias
     int64_t count = FEW_UNITS(N);
     float *xt = malloc(sizeof(float) * K * B);
     if (!xt) return COLORL_NO_MEMORY;
-    for (int64_t k = 0; k < K; k++)
-        for (int64_t b = 0; b < B; b++) xt[k * B + b] = LOAD1(x + b * K + k);
+    for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xt, B, K, 1, B, k); /* one tile of all B rows: [K, B] */
     int team = threads > 1 && N >= FEW_TEAM_OUTPUTS * threads ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
