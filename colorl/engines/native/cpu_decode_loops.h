@@ -499,17 +499,20 @@ NAMED(decode_runs)(const ELEM *q, const ELEM *cache, const int64_t *table, int64
             int64_t count = length - from < run ? length - from : run;
             for (int64_t t = 0; t < count; t++) {
                 int64_t p = from + t;
-                const ELEM *row = cache + (table[p / block_size] * block_size + p % block_size) * stride;
-                NAMED(widen)(row + part * Hkv * D + h0 * D, staged + t * width, width);
+                if (p + KV_ROWS_AHEAD < length)
+                    ask_for_bytes(KV_ROW(cache, table, block_size, stride, p + KV_ROWS_AHEAD) + part * Hkv * D + h0 * D,
+                                  width * (int64_t)sizeof(ELEM));
+                NAMED(widen)(KV_ROW(cache, table, block_size, stride, p) + part * Hkv * D + h0 * D, staged + t * width,
+                             width);
             }
             for (int64_t kvh = h0; kvh < h1; kvh++) {
                 float *rows = scores + (kvh - h0) * group * length + from;
                 if (part == 0)
                     head_scores(qf + kvh * group * D, staged, &one_block, ONE_RUN, width, kvh - h0, D, group, count,
-                                scale, rows, length);
+                                scale, rows, length, 0);
                 else
                     head_values(rows, length, staged, &one_block, ONE_RUN, width, 0, kvh - h0, D, group, count,
-                                of + kvh * group * D, from > 0);
+                                of + kvh * group * D, from > 0, 0);
             }
         }
         if (part == 0) softmax_rows(scores, (h1 - h0) * group, length);
@@ -539,6 +542,8 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t s = task / shares, share = task % shares;
+        ask_for_sequences(cache, tables, width, lengths, block_size, 2 * Hkv * D * (int64_t)sizeof(ELEM), task, tasks,
+                          shares, threads);
         if (NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
                                    block_size, scale, share * Hkv / shares, (share + 1) * Hkv / shares)) {
 #pragma omp atomic write
@@ -550,6 +555,8 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t s = task / Hkv, kvh = task % Hkv;
+        ask_for_sequences(cache, tables, width, lengths, block_size, 2 * Hkv * D * (int64_t)sizeof(ELEM), task, tasks,
+                          Hkv, threads);
         const ELEM *qs = q + s * q_stride;
         const int64_t *table = tables + s * width;
         ELEM *os = out + s * H * D;
