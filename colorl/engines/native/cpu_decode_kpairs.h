@@ -20,6 +20,11 @@
  * Both round float32 sums to bf16 once, as every other product does; both flush bf16 subnormals to
  * zero (as the instructions do), which the products' tests allow for. */
 
+/* How far ahead the FMA loops ask for the panels, in bf16 values: the 8 KB the float32 loops ask ahead (PANEL_AHEAD
+ * floats). Half that, as PANEL_AHEAD bf16 values, left the stream short on a Zen 5 core: [3072, 576] matrices from
+ * DRAM at 8 rows 33.3-33.9 GB/s against 35.7-37.1 at 8 KB, 2 rows 38.6 against 43.1, 32 rows 12.4 against 13.6
+ * (16 KB: no better; float32 at 16 KB: 8 rows 11 % slower; bench/README.md, "8 KB ahead"). */
+#define KPAIR_AHEAD (PANEL_AHEAD * (int64_t)(sizeof(float) / sizeof(uint16_t)))
 #define KPAIR_TILE 16 /* the most rows of x whose sums the FMA loop holds at once (16-wide registers) */
 #define KPAIR_ROWS(B, left) ((B) <= 8 ? (B) : (left) > 8 ? 16 : 8) /* a tile's rows, as TILE_ROWS in cpu_decode_loops.h */
 
@@ -63,7 +68,7 @@ static inline __attribute__((always_inline)) void kpairs_sums(const uint32_t *xt
                                                               int64_t R, int fetch, __m512 c[KPAIR_TILE]) {
     for (int64_t i = 0; i < R; i++) c[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < K2; j++) {
-        if (fetch) STREAM_AHEAD(R, wp + j * 32 + PANEL_AHEAD); /* one line per k-pair, 4 KB ahead */
+        if (fetch) STREAM_AHEAD(R, wp + j * 32 + KPAIR_AHEAD); /* one line per k-pair */
         __m512bh w = (__m512bh)_mm512_loadu_si512(wp + j * 32);
         const uint32_t *xj = xt + j * R;
 #pragma GCC unroll 16
