@@ -63,17 +63,37 @@ static inline void kpairs_of_x(const uint16_t *x, uint32_t *xp, int64_t B, int64
 }
 
 /* One pair of panels (wp) against R <= KPAIR_TILE rows of x's k-pairs (xt [K2][R]): the pair's 16 sums per
- * row, in c. R is a constant where it is inlined, so the sums stay in registers. */
+ * row, in c. R is a constant where it is inlined, so the sums stay in registers. `chains` 2 (R <= 8 only): each
+ * sum is two runs of VDPBF16PS, the even k-pairs' and the odd ones', added at the end. One run per row left a
+ * product of up to 8 rows waiting on the instruction's latency (8 sums in flight where two a cycle at 6 cycles
+ * each want 12): from DRAM, 8 rows of a [3072, 576] matrix read 35.0-35.5 GB/s on a Zen 5 core against 37.7-40.1
+ * with two runs (bench/README.md, "Two runs per sum"). A tile of 16 rows has 16 sums in flight already, and 32
+ * would not fit in registers: products of more than 8 rows keep one run per sum in every tile, their last one too,
+ * so that within a product each row's sum is taken in the same order. */
 static inline __attribute__((always_inline)) void kpairs_sums(const uint32_t *xt, const uint16_t *wp, int64_t K2,
-                                                              int64_t R, int fetch, __m512 c[KPAIR_TILE]) {
+                                                              int64_t R, int fetch, const int chains,
+                                                              __m512 c[KPAIR_TILE]) {
+    __m512 odd[8];
     for (int64_t i = 0; i < R; i++) c[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < K2; j++) {
-        if (fetch) STREAM_AHEAD(R, wp + j * 32 + KPAIR_AHEAD); /* one line per k-pair */
+    for (int64_t i = 0; chains == 2 && i < R; i++) odd[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K2; j += chains) {
+        if (fetch) /* one line per k-pair */
+            for (int line = 0; line < chains; line++) STREAM_AHEAD(R, wp + (j + line) * 32 + KPAIR_AHEAD);
         __m512bh w = (__m512bh)_mm512_loadu_si512(wp + j * 32);
         const uint32_t *xj = xt + j * R;
+        if (chains == 2 && j + 1 < K2) {
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + j * 32 + 32);
+#pragma GCC unroll 8
+            for (int64_t i = 0; i < R && i < 8; i++) {
+                c[i] = _mm512_dpbf16_ps(c[i], w, (__m512bh)_mm512_set1_epi32((int)xj[i]));
+                odd[i] = _mm512_dpbf16_ps(odd[i], w1, (__m512bh)_mm512_set1_epi32((int)xj[R + i]));
+            }
+        } else {
 #pragma GCC unroll 16
-        for (int64_t i = 0; i < R; i++) c[i] = _mm512_dpbf16_ps(c[i], w, (__m512bh)_mm512_set1_epi32((int)xj[i]));
+            for (int64_t i = 0; i < R; i++) c[i] = _mm512_dpbf16_ps(c[i], w, (__m512bh)_mm512_set1_epi32((int)xj[i]));
+        }
     }
+    for (int64_t i = 0; chains == 2 && i < R && i < 8; i++) c[i] = _mm512_add_ps(c[i], odd[i]);
 }
 
 /* The sums of rows b0.. (R of them, those below B) for the pair of panels at outputs n0.., plus the bias, into y. */
@@ -86,7 +106,10 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
 
 #define KPAIRS_TILE_CASE(R)                                                                        \
     case R:                                                                                        \
-        kpairs_sums(xt, wp, K2, R, first, c);                                                      \
+        if (B <= 8)                                                                                \
+            kpairs_sums(xt, wp, K2, R, first, 2, c);                                               \
+        else                                                                                       \
+            kpairs_sums(xt, wp, K2, R, first, 1, c);                                               \
         break;
 
 /* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units: each thread one contiguous
@@ -120,7 +143,7 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
                 switch (R) { /* one copy of the loop per row count, its sums in registers */
                 KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
                 KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) KPAIRS_TILE_CASE(8)
-                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, first, c);
+                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, first, 1, c);
                 }
                 kpairs_store(c, R, y, B, N, b0, n0, widths, bv);
             }
