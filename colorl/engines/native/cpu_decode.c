@@ -520,8 +520,8 @@ static inline void ask_for_bytes(const void *from, int64_t bytes) { /* each 64-b
 
 /* Every row of a sequence's keys and values in one layer's cache (row_bytes each, `length` of them). */
 static void ask_for_kv(const void *cache, const int64_t *table, int64_t length, int64_t block_size, int64_t row_bytes) {
-    for (int64_t first = 0, b = 0; first < length; first += block_size, b++)
-        ask_for_bytes((const char *)cache + table[b] * block_size * row_bytes,
+    for (int64_t first = 0; first < length; first += block_size)
+        ask_for_bytes(KV_ROW((const char *)cache, table, block_size, row_bytes, first),
                       (length - first < block_size ? length - first : block_size) * row_bytes);
 }
 
@@ -602,8 +602,8 @@ heads_values(const float *weights, int64_t weights_stride, const float *cache, c
     vwide acc[VALUE_HEADS][D / WIDE];
     for (int h = 0; h < n; h++)
         for (int64_t d = 0; d < D / WIDE; d++) acc[h][d] = more ? load_wide(oh + h * D + WIDE * d) : (vwide){0};
-    for (int64_t first = 0, b = 0; first < count; first += block_size, b++) {
-        const float *v = cache + table[b] * block_size * stride + at;
+    for (int64_t first = 0; first < count; first += block_size) {
+        const float *v = KV_ROW(cache, table, block_size, stride, first) + at;
         int64_t last = first + block_size < count ? first + block_size : count;
         for (int64_t p = first; p < last; p++, v += stride) {
             if (ahead && p + ahead < count)
