@@ -884,6 +884,9 @@ typedef struct {
 static void kpairs_pack_bf16(const uint16_t *w, uint16_t *panels, int64_t N, int64_t K, int threads);
 static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
                            int64_t N, int64_t K, int threads); /* after the bf16 loops, whose bias and store they share */
+static void kpairs_scores_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *table, int64_t length,
+                               int64_t block_size, int64_t Hkv, int64_t h0, int64_t h1, int64_t D, int64_t group,
+                               float scale, float *scores);
 #endif
 #if HAVE_KPAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HAVE_AMX 1

@@ -153,6 +153,50 @@ static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint
     return 0;
 }
 
+/* ---------------------------------------------------------------- bf16 attention's scores in k-pairs
+ * A query and a key are pairs of bf16 in memory as they are, so VDPBF16PS takes them in place: no widened copy of
+ * the keys, and half the instructions of the float32 FMAs over it. Scores of KV heads [h0, h1)'s query heads (q:
+ * the sequence's [H, D] queries) against its `length` positions, times scale, into scores [(h1 - h0) group][length];
+ * eight positions at a time, each query's eight sums across lanes together (sums8x8), as the float32 loops take
+ * them. D a multiple of 32 (a constant where inlined). */
+static inline __attribute__((always_inline)) void
+kpairs_scores_d(const uint16_t *q, const uint16_t *cache, const int64_t *table, int64_t length, int64_t block_size,
+                int64_t Hkv, int64_t h0, int64_t h1, const int64_t D, int64_t group, float scale, float *scores) {
+    int64_t stride = 2 * Hkv * D, bytes = (h1 - h0) * D * (int64_t)sizeof(uint16_t);
+    for (int64_t pos = 0; pos < length; pos += 8) {
+        int64_t count = length - pos < 8 ? length - pos : 8;
+        const uint16_t *rows[8];
+        for (int64_t j = 0; j < 8; j++) rows[j] = KV_ROW(cache, table, block_size, stride, pos + (j < count ? j : 0));
+        for (int64_t j = 0; j < count && pos + KV_ROWS_AHEAD + j < length; j++)
+            ask_for_bytes(KV_ROW(cache, table, block_size, stride, pos + KV_ROWS_AHEAD + j) + h0 * D, bytes);
+        for (int64_t kvh = h0; kvh < h1; kvh++)
+            for (int64_t g = 0; g < group; g++) {
+                const uint16_t *qg = q + (kvh * group + g) * D;
+                v8 partial[8];
+                for (int j = 0; j < 8; j++) {
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < D; c += 32)
+                        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(rows[j] + kvh * D + c),
+                                               (__m512bh)_mm512_loadu_si512(qg + c));
+                    partial[j] = add_in_order((v8){0}, (vwide)sum);
+                }
+                v8 s = sums8x8(partial) * scale;
+                float *row = scores + ((kvh - h0) * group + g) * length + pos;
+                if (count == 8) store8(row, s);
+                else
+                    for (int64_t j = 0; j < count; j++) row[j] = s[j];
+            }
+    }
+}
+
+static void kpairs_scores_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *table, int64_t length,
+                               int64_t block_size, int64_t Hkv, int64_t h0, int64_t h1, int64_t D, int64_t group,
+                               float scale, float *scores) {
+    if (D == 64) kpairs_scores_d(q, cache, table, length, block_size, Hkv, h0, h1, 64, group, scale, scores);
+    else if (D == 128) kpairs_scores_d(q, cache, table, length, block_size, Hkv, h0, h1, 128, group, scale, scores);
+    else kpairs_scores_d(q, cache, table, length, block_size, Hkv, h0, h1, D, group, scale, scores);
+}
+
 /* ---------------------------------------------------------------- the same products on AMX tiles
  * On CPUs with AMX one TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 outputs of w and adds the
  * float32 sums into a 16 x 16 tile: a decode step's product is bound by the weights' stream there.

@@ -469,7 +469,12 @@ int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, in
  * 5.5 ms of attention, 1.3 ms of them with the keys and values already in cache). Widening inside the
  * loops, per head from a strided read, made bf16 attention 1.5x slower than float32 for half the bytes.
  * With fewer sequences than threads (a batch-1 step) each task takes a share of the KV heads instead,
- * widening only theirs, so that no thread waits through the whole attention. */
+ * widening only theirs, so that no thread waits through the whole attention.
+ * Where the CPU multiplies bf16 pairs (AVX512-BF16, KPAIR_PANELS) and D is a multiple of 32, the scores read the
+ * keys in place instead, VDPBF16PS on the bf16 query and key as they are (kpairs_scores_bf16, cpu_decode_kpairs.h):
+ * no widened copy of the keys and half the instructions; on a Zen 5 core 0.74-0.84x the attention's time at one
+ * thread, 0.80-0.95x at two (bench/README.md, "bf16 keys in place"). The values stay widened: their weights are
+ * float32. */
 /* count values of ELEM as float32 (bf16 attention's staging, the logits). */
 static void NAMED(widen)(const ELEM *from, float *to, int64_t count) {
     int64_t i = 0;
@@ -493,8 +498,16 @@ NAMED(decode_runs)(const ELEM *q, const ELEM *cache, const int64_t *table, int64
     if (!scores) return COLORL_NO_MEMORY;
     float *staged = scores + (h1 - h0) * group * length, *qf = staged + run * width, *of = qf + H * D;
     const int64_t one_block = 0;
-    NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
+    const int keys_in_place = KPAIR_PANELS && D % 32 == 0;
+    if (!keys_in_place) NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
     for (int part = 0; part < 2; part++) { /* the keys, then the values */
+#if KPAIR_PANELS
+        if (part == 0 && keys_in_place) {
+            kpairs_scores_bf16(q, cache, table, length, block_size, Hkv, h0, h1, D, group, scale, scores);
+            softmax_rows(scores, (h1 - h0) * group, length);
+            continue;
+        }
+#endif
         for (int64_t from = 0; from < length; from += run) {
             int64_t count = length - from < run ? length - from : run;
             for (int64_t t = 0; t < count; t++) {
