@@ -374,11 +374,14 @@ def main() -> None:
     parser.add_argument("--isa", default="native", choices=["native", "avx2"],
                         help="avx2: run both engines' AVX2 code on this (AVX-512) machine, an emulated AVX2-only CPU")
     parser.add_argument("--floor-rounds", type=int, default=5,
-                        help="decode floor: rounds of each batch, each after its own limits are measured again")
+                        help="decode floor: rounds of each batch, each after its own limits are measured again "
+                             "(0: no decode floor)")
     parser.add_argument("--worker", choices=["native", "hf", "vllm", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floor_rounds < 0:
+        parser.error(f"--floor-rounds must be 0 (no decode floor) or more, not {args.floor_rounds}")
     if args.worker:
         if args.worker != "floor":
             args.engine = args.worker
@@ -415,7 +418,7 @@ def main() -> None:
                 print(f"{workload:9s} {name:6s} split of {split['wall_s']:.1f} s (profiled): " + ", ".join(
                     f"{key[:-2]} {100 * value / split['wall_s']:.0f}%" for key, value in split.items() if key != "wall_s"))
         report["workloads"][workload] = entry
-    if "native" in engines:
+    if "native" in engines and args.floor_rounds > 0:
         report["decode_floor"] = spawn(args, "floor")
         floor = report["decode_floor"]
         print(f"{cpu_model()}, {args.threads} threads, {args.dtype}: read bandwidth {floor['bandwidth_gb_s']:.1f} GB/s, "
