@@ -472,9 +472,9 @@ int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, in
  * widening only theirs, so that no thread waits through the whole attention.
  * Where the CPU multiplies bf16 pairs (AVX512-BF16, KPAIR_PANELS) and D is a multiple of 32, the scores read the
  * keys in place instead, VDPBF16PS on the bf16 query and key as they are (kpairs_scores_bf16, cpu_decode_kpairs.h):
- * no widened copy of the keys and half the instructions; on a Zen 5 core 0.74-0.84x the attention's time at one
- * thread, 0.80-0.95x at two (bench/README.md, "bf16 keys in place"). The values stay widened: their weights are
- * float32. */
+ * no widened copy of the keys and half the instructions; on a Zen 5 core 0.76-0.84x the attention's time at one
+ * thread from 8 sequences on, 0.85-0.94x at two (bench/README.md, "bf16 keys in place"). The values stay widened:
+ * their weights are float32. */
 /* count values of ELEM as float32 (bf16 attention's staging, the logits). */
 static void NAMED(widen)(const ELEM *from, float *to, int64_t count) {
     int64_t i = 0;
