@@ -501,14 +501,11 @@ NAMED(decode_runs)(const ELEM *q, const ELEM *cache, const int64_t *table, int64
     const int keys_in_place = KPAIR_PANELS && D % 32 == 0;
     if (!keys_in_place) NAMED(widen)(q + h0 * group * D, qf + h0 * group * D, (h1 - h0) * group * D);
     for (int part = 0; part < 2; part++) { /* the keys, then the values */
+        int staged_part = !(part == 0 && keys_in_place); /* otherwise the keys are read in place */
 #if KPAIR_PANELS
-        if (part == 0 && keys_in_place) {
-            kpairs_scores_bf16(q, cache, table, length, block_size, Hkv, h0, h1, D, group, scale, scores);
-            softmax_rows(scores, (h1 - h0) * group, length);
-            continue;
-        }
+        if (!staged_part) kpairs_scores_bf16(q, cache, table, length, block_size, Hkv, h0, h1, D, group, scale, scores);
 #endif
-        for (int64_t from = 0; from < length; from += run) {
+        for (int64_t from = 0; staged_part && from < length; from += run) {
             int64_t count = length - from < run ? length - from : run;
             for (int64_t t = 0; t < count; t++) {
                 int64_t p = from + t;
