@@ -245,6 +245,25 @@ def test_add_rms_norm_updates_the_stream_in_place(compiled, dtype):
     torch.testing.assert_close(compiled.add_rms_norm(stream.clone(), None, weight, 1e-6), expected, **TOLERANCE[dtype])
 
 
+def test_bf16_stream_rounds_to_nearest_even_as_torch(compiled):
+    """The residual add rounds each float32 sum to bf16 as torch does, ties to even, in its 16-lane loop (one
+    VCVTNEPS2BF16 where the CPU has AVX512-BF16) and its one-lane tail alike: sums half an ulp, three quarters and
+    one and a half ulps past bf16 values of exponents from 2^-60 to 2^60, and of both signs. (Subnormals are left
+    out: the instruction flushes them to zero, torch rounds them.)"""
+    gen = torch.Generator().manual_seed(0)
+    rows, width = 200, 27  # 16 lanes, then 11 one by one
+    significand = torch.randint(128, 256, (rows, width), generator=gen).double()
+    exponent = torch.randint(-60, 61, (rows, width), generator=gen).double()
+    sign = torch.randint(0, 2, (rows, width), generator=gen).double() * 2 - 1
+    offset = torch.tensor([0.5, -0.5, 0.75, -0.75, 1.5, -1.5, 0.25])[torch.randint(0, 7, (rows, width), generator=gen)]
+    x = (sign * significand * 2.0**exponent).to(torch.bfloat16)
+    delta = (offset.double() * 2.0**exponent).to(torch.bfloat16)
+    assert torch.equal(x.double(), sign * significand * 2.0**exponent) and torch.equal(delta.double(), offset * 2.0**exponent)
+    expected = (x.float() + delta.float()).to(torch.bfloat16)  # each float32 sum is exact: only the rounding differs
+    compiled.add_rms_norm(x, delta, torch.ones(width, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(x.view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 def test_silu_mul(compiled, dtype):
     gate_up = torch.randn(3, 2 * 37, generator=torch.Generator().manual_seed(0)).to(dtype)

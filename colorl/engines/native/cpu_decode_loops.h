@@ -19,6 +19,19 @@ void NAMED(colorl_add_rms_norm)(ELEM *x, const ELEM *add, const ELEM *weight, EL
                                 float eps) {
     for (int64_t t = 0; t < T; t++) {
         ELEM *row = x + t * C;
+#if WIDE == 16
+        vwide s = {0}; /* lanes 0-7 sum values c..c+7 of each 16, lanes 8-15 c+8..c+15: the 8-lane loop's two sums */
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+            vwide a = LOADW(row + c);
+            if (add) {
+                a = ROUNDW(a + LOADW(add + t * C + c));
+                STOREW(row + c, a);
+            }
+            s += a * a;
+        }
+        float squares = hsum_wide(s);
+#else
         v8 s0 = {0}, s1 = {0};
         int64_t c = 0;
         for (; c + 16 <= C; c += 16) {
@@ -33,6 +46,7 @@ void NAMED(colorl_add_rms_norm)(ELEM *x, const ELEM *add, const ELEM *weight, EL
             s1 += b * b;
         }
         float squares = hsum8(s0 + s1);
+#endif
         for (; c < C; c++) {
             float v = LOAD1(row + c);
             if (add) {
@@ -43,7 +57,9 @@ void NAMED(colorl_add_rms_norm)(ELEM *x, const ELEM *add, const ELEM *weight, EL
         }
         float inv = 1.0f / sqrtf(squares / (float)C + eps);
         ELEM *o = out + t * C;
-        for (c = 0; c + 8 <= C; c += 8) STORE8(o + c, LOAD8(weight + c) * ROUND8(LOAD8(row + c) * inv));
+        c = 0;
+        for (; c + WIDE <= C; c += WIDE) STOREW(o + c, LOADW(weight + c) * ROUNDW(LOADW(row + c) * inv));
+        for (; c + 8 <= C; c += 8) STORE8(o + c, LOAD8(weight + c) * ROUND8(LOAD8(row + c) * inv));
         for (; c < C; c++) STORE1(o + c, LOAD1(weight + c) * ROUND1(LOAD1(row + c) * inv));
     }
 }
