@@ -215,6 +215,34 @@ def test_panels_give_the_same_bits_at_any_thread_count(compiled, rows, dtype):
     assert_float32_sums_rounded_once(outs[0], x, weight, None)
 
 
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_panel_copies_lie_back_to_back_in_the_order_made(compiled, dtype, monkeypatch):
+    """Each copy starts on the cache line right after the one before, and holds what a mapping of its own would, bit
+    for bit; a copy kept is handed out again; a clear starts a new mapping; a copy larger than a mapping of copies
+    (PANEL_RUN_BYTES) gets one of its own and the next ones start another."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in ((40, 24), (17, 24), (64, 40), (5, 8))]
+    copies = cpu_decode.PanelCopies()
+    made = [copies.of(w, compiled) for w in weights]
+    for before, after in zip(made, made[1:]):
+        end = before.data_ptr() + before.numel() * dtype.itemsize
+        assert after.data_ptr() == end + (-end % 64)
+    for weight, panels in zip(weights, made):
+        assert torch.equal(panels, compiled.pack_panels(weight))
+    assert copies.of(weights[1], compiled) is made[1]
+    generation = copies.generation
+    copies.clear()
+    again = copies.of(weights[0], compiled)
+    assert copies.generation > generation and again.data_ptr() != made[0].data_ptr() and torch.equal(again, made[0])
+    monkeypatch.setattr(cpu_decode, "PANEL_RUN_BYTES", 4096)
+    copies.clear()
+    big, small = copies.of(weights[2], compiled), copies.of(weights[3], compiled)  # 64 x 40: more than 4 KB
+    assert big.numel() * dtype.itemsize > 4096 and torch.equal(big, compiled.pack_panels(weights[2]))
+    assert torch.equal(small, compiled.pack_panels(weights[3]))
+    with pytest.raises(ValueError, match="cannot hold"):
+        compiled.pack_panels(weights[0], torch.empty(made[0].numel() - 1, dtype=dtype))
+
+
 def test_panels_of_another_matrix_are_refused(compiled):
     with pytest.raises(ValueError, match="panels"):
         compiled.panel_linear(torch.randn(12, 8), compiled.pack_panels(torch.randn(30, 8)), 60, None)
@@ -865,7 +893,7 @@ def test_a_race_streams_twice_the_last_level_cache(monkeypatch, cache_mib, raced
         library.build, library.amx = "b", False
         assert library.rows_verdict_name(torch.float32, 2).endswith(
             "rows at 2 threads over steps of 960x576/576x576/3072x576/576x1536"
-            + ("" if raced_mib == 81 else f", {size // 2**20} MiB"))
+            + ("" if raced_mib == 81 else f", {size // 2**20} MiB") + ", panels back to back")
     finally:
         cpu_decode.race_bytes.cache_clear()
 
