@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from colorl.config import load_config
+from colorl.distributed import exit_rank
 from colorl.launch import TorchrunRank, run_in_place
 from colorl.modes import MODES
 from colorl.sync.name_maps import name_map_for
@@ -47,4 +48,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # as `colorl train` under torchrun leaves: never through the interpreter's finalization
