@@ -805,11 +805,12 @@ static inline v8 bf16_load8(const uint16_t *p) { /* 8 bf16 -> 8 float32, exactly
  * batch-8 decode step at one thread went from 1.48-1.51x its memory floor to 1.44-1.47x (bench/README.md, "Rounding
  * to bf16 in one instruction"). */
 #if HAVE_DPBF16
-static inline v8 bf16_round8(v8 v) {
-    __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh((__m256)v)), 16);
-    return (v8)b;
-}
-static inline void bf16_store8(uint16_t *p, v8 v) { _mm_storeu_si128((__m128i *)p, (__m128i)_mm256_cvtneps_pbh((__m256)v)); }
+/* N lanes of VF (a vector of PS, whose bf16 halves are HALF) rounded by CVT, widened back by WIDEN and SHIFT. */
+#define DEFINE_BF16_ROUND_CVT(N, VF, PS, HALF, CVT, WIDEN, SHIFT, STORE)                                          \
+    static inline VF bf16_round##N(VF v) { return (VF)SHIFT(WIDEN((HALF)CVT((PS)v)), 16); }                       \
+    static inline void bf16_store##N(uint16_t *p, VF v) { STORE((HALF *)p, (HALF)CVT((PS)v)); }
+DEFINE_BF16_ROUND_CVT(8, v8, __m256, __m128i, _mm256_cvtneps_pbh, _mm256_cvtepu16_epi32, _mm256_slli_epi32,
+                      _mm_storeu_si128)
 #else
 DEFINE_BF16_ROUND(8)
 #endif
@@ -818,11 +819,8 @@ DEFINE_BF16_ROUND(8)
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 #if HAVE_DPBF16
-static inline v16 bf16_round16(v16 v) {
-    __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
-    return (v16)b;
-}
-static inline void bf16_store16(uint16_t *p, v16 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v)); }
+DEFINE_BF16_ROUND_CVT(16, v16, __m512, __m256i, _mm512_cvtneps_pbh, _mm512_cvtepu16_epi32, _mm512_slli_epi32,
+                      _mm256_storeu_si256)
 #else
 DEFINE_BF16_ROUND(16)
 #endif
