@@ -25,8 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152  # SmolLM2-135M
-STEP = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]
+LAYERS, VOCAB = 30, 49152  # SmolLM2-135M's; its layer's matrices are the race's (cpu_decode.RACE_LAYER)
 
 
 def main() -> None:
@@ -53,6 +52,8 @@ def main() -> None:
     if compiled is None:
         raise SystemExit(f"product_calls: the compiled loops are unavailable: {cpu_decode.why_not()}")
     dtype = getattr(torch, args.dtype)
+    hidden = cpu_decode.RACE_MODEL["hidden"]
+    step = [*cpu_decode.RACE_LAYER] * LAYERS + [(VOCAB, hidden)]
 
     def packed(shapes, copies=None):
         out = []
@@ -61,18 +62,18 @@ def main() -> None:
             out.append((n, k, copies.of(weight, compiled) if copies else compiled.pack_panels(weight), weight))
         return out
 
-    whole = sum(n * k for n, k in STEP) // HIDDEN  # the same bytes as one [whole, 576] matrix
-    layouts = {"121 products, each in a mapping of its own": packed(STEP),
-               "121 products back to back (the engine's)": packed(STEP, cpu_decode.PanelCopies()),
-               "one product": packed([(whole, HIDDEN)])}
+    whole = sum(n * k for n, k in step) // hidden  # the same bytes as one [whole, 576] matrix
+    layouts = {"121 products, each in a mapping of its own": packed(step),
+               "121 products back to back (the engine's)": packed(step, cpu_decode.PanelCopies()),
+               "one product": packed([(whole, hidden)])}
     weight_bytes = {name: sum(n * k for n, k, _, _ in mats) * dtype.itemsize for name, mats in layouts.items()}
     product = compiled._functions["colorl_panels", dtype]  # the raw call: no Python wrapper per product
     reader = MemoryReader()
-    report = {"cpu": cpu_summary(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
-              "weight_bytes": weight_bytes, "rows": {}}
+    report = {"cpu": cpu_summary(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": args.dtype,
+              "threads": args.threads, "rounds": args.rounds, "weight_bytes": weight_bytes, "rows": {}}
     print(report["cpu"], f"{args.threads} threads, {args.dtype}")
     for count in rows:
-        x = {k: torch.randn(count, k).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+        x = {k: torch.randn(count, k).to(dtype) for k in {k for _, k in step}}
         outs = {name: [torch.empty(count, n, dtype=dtype) for n, _, _, _ in mats] for name, mats in layouts.items()}
         prepared = {name: [(x[k].data_ptr(), panels.data_ptr(), None, out.data_ptr(), count, n, k, args.threads)
                            for (n, k, panels, _), out in zip(mats, outs[name])] for name, mats in layouts.items()}
