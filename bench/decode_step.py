@@ -16,8 +16,11 @@ shared machine (the verdict is the median of the rounds' ratios):
   (COLORL_CPU_DECODE_PANEL_ROWS=all / none; unset, the machine's race picks per row count, as in the other
   columns);
 - head: the final norm and the LM head run in the layers' compiled call (the engine's default for a step whose
-  every token samples, model.py) against after it, in Python (the same loops, called one by one).
-Each step is also split into the model's forward and the rest (scheduling, sampling, results).
+  every token samples, model.py) against after it, in Python (the same loops, called one by one);
+- bursts: the engine's decode steps in bursts of engine.decode_burst (8) per compiled call, each drawing its
+  tokens and feeding them to the next in C (its default, engine.py) against one step per call, timed per step.
+The other columns run one step per call, and each step is also split into the model's forward and the rest
+(scheduling, sampling, results).
 
 Results: bench/results/decode_step.json; summary in bench/README.md.
 """
@@ -68,8 +71,10 @@ def panel_rows(value: str | None):
 
 
 def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sampler: bool,
-                head_in_call: bool = True) -> dict:
-    """One decode run of `batch` sequences: median step, forward and sampling times (ms) after a warm-up."""
+                head_in_call: bool = True, burst: int = 1) -> dict:
+    """One decode run of `batch` sequences: median step, forward and sampling times (ms) after a warm-up; burst:
+    decode steps per engine call (engine.decode_burst; a step of a burst counts the call's time over its steps,
+    and then no forward or sampling is timed: the burst's call does both)."""
     import dataclasses
 
     from colorl.engines.base import GenerationRequest, SamplingParams
@@ -98,19 +103,24 @@ def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sample
     engine.model.forward, engine.sampler = timed_forward, timed_sampler
     if not head_in_call:
         engine.runner.prepare = head_after_call
+    engine.decode_burst, bursts = burst, engine.decode_burst
     try:
-        params = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
+        params = SamplingParams(temperature=1.0, max_new_tokens=30 if burst == 1 else 2 + 4 * burst, ignore_eos=True)
         for i in range(batch):
             engine.add(GenerationRequest(f"{tag}-{i}", prompt, params))
         engine.step()  # prefill
         steps = []
         while engine.has_unfinished():
-            started = time.perf_counter()
+            computed, started = engine.num_computed_tokens, time.perf_counter()
             engine.step()
-            steps.append(time.perf_counter() - started)
+            count = (engine.num_computed_tokens - computed) // batch  # decode steps in the call
+            steps += [(time.perf_counter() - started) / count] * count
     finally:
         engine.model.forward, engine.sampler, engine.runner.prepare = model_forward, sampler, prepare
-    skip = 3
+        engine.decode_burst = bursts
+    skip = 3 if burst == 1 else burst  # the first call's steps: a warm-up
+    if burst > 1:
+        return {"step_ms": statistics.median(steps[skip:]) * 1e3}
     return {"step_ms": statistics.median(steps[skip:]) * 1e3, "forward_ms": statistics.median(forward[1 + skip:]) * 1e3,
             "sampling_ms": statistics.median(sample[1 + skip:]) * 1e3}
 
@@ -130,6 +140,7 @@ def main() -> None:
     model_dir = resolve_model_path("smollm2-135m-instruct")
     dtype = getattr(torch, args.dtype)
     engine = make_engine("native", model_dir, dtype)
+    burst = engine.decode_burst
     if engine.model.compiled(dtype, torch.device("cpu")) is None:
         sys.exit("decode_step: the native engine's compiled loops are not used here; nothing to compare")
     prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
@@ -153,6 +164,8 @@ def main() -> None:
             key = f"b{batch}_huge_head_in_python"
             with panel_rows(None):
                 record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", True, head_in_call=False)
+                key = f"b{batch}_huge_bursts"
+                record[key] = timed_steps(engine, prompt, batch, f"{index}-{key}", True, burst=burst)
         rounds.append(record)
     place_weights(engine.model, True)
 
@@ -163,8 +176,8 @@ def main() -> None:
           f"{statistics.median(r['huge_sum_gb_s'] / r['heap_sum_gb_s'] for r in rounds):.2f}x")
     print("| batch | step, heap pages | step, huge pages | heap / huge | sampling, torch | sampling, compiled | torch / compiled "
           "| step, rows kernel | step, panels | rows kernel / panels | step, head in Python | head in Python / in the call "
-          "| forward share of the step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| forward share of the step | step, bursts of {burst} | one per call / bursts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         heap, huge, torch_sampler = (f"b{batch}_heap_compiled_sampler", f"b{batch}_huge_compiled_sampler",
                                      f"b{batch}_huge_torch_sampler")
@@ -183,16 +196,19 @@ def main() -> None:
             "head_in_call_speedup": statistics.median(r[f"b{batch}_huge_head_in_python"]["step_ms"] / r[huge]["step_ms"]
                                                       for r in rounds),
             "forward_share": statistics.median(r[huge]["forward_ms"] / r[huge]["step_ms"] for r in rounds),
+            "step_bursts_ms": statistics.median(r[f"b{batch}_huge_bursts"]["step_ms"] for r in rounds),
+            "bursts_speedup": statistics.median(r[huge]["step_ms"] / r[f"b{batch}_huge_bursts"]["step_ms"] for r in rounds),
         }
         summary[batch] = row
         print(f"| {batch} | {row['step_heap_ms']:.1f} ms | {row['step_huge_ms']:.1f} ms | {row['pages_speedup']:.2f}x | "
               f"{row['sampling_torch_ms']:.2f} ms | {row['sampling_compiled_ms']:.2f} ms | {row['sampler_speedup']:.1f}x | "
               f"{row['step_rows_kernel_ms']:.1f} ms | {row['step_panels_ms']:.1f} ms | {row['panels_speedup']:.2f}x | "
               f"{row['step_head_in_python_ms']:.1f} ms | {row['head_in_call_speedup']:.2f}x | "
-              f"{100 * row['forward_share']:.0f} % |")
+              f"{100 * row['forward_share']:.0f} % | {row['step_bursts_ms']:.1f} ms | {row['bursts_speedup']:.2f}x |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "dtype": args.dtype, "summary": summary, "rounds": rounds},
+    out.write_text(json.dumps({"machine": cpu_model(), "threads": args.threads, "dtype": args.dtype, "burst": burst,
+                               "summary": summary, "rounds": rounds},
                               indent=1))
     print(f"wrote {out}")
 

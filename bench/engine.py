@@ -3,6 +3,8 @@
     python bench/engine.py                  # both workloads, both engines, decode floor (~5 min)
     python bench/engine.py --quick          # 4 prompts x 2 samples, mean 32: a smoke run
     .venv-vllm/bin/python bench/engine.py --engines native,vllm --threads 2 --split
+    python bench/engine.py --engines native,native-stepwise --floor-rounds 0
+                                            # bursts of decode steps against one step per call
                                             # against vLLM's CPU build (colorl's adapter, in process,
                                             # eager; --vllm-compiled: its default torch.compile set-up)
 
@@ -18,8 +20,9 @@ Decode floor: a decode step must read every weight once, plus the KV of every ru
 so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth measured here
 (a sum over a 512 MiB tensor on the heap's pages and on huge pages, the faster, same thread count:
 bench/limits.py). The ratio step / floor says how far the native decode step is from memory-bound
-ideal at batch 1, 8 and 32. Each timed step is followed by one reading of the bandwidth and judged
-against it; a round's ratio is the median over its steps (--floor-rounds, default 5, interleaved over
+ideal at batch 1, 8 and 32. The engine runs its decode steps in bursts (engine.decode_burst, 8 by default:
+one compiled call each); each call is followed by one reading of the bandwidth, and each of its steps takes the
+call's time over its steps and is judged against that reading; a round's ratio is the median over its steps (--floor-rounds, default 5, interleaved over
 the batches), and the verdict is the median of the rounds' ratios, with their range.
 
 With --split each rollout also runs once more under torch.profiler, and the decode time is split
@@ -108,7 +111,12 @@ def make_engine(name: str, model_dir: Path, dtype: torch.dtype, vllm_compiled: b
         from colorl.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, EngineConfig(), "cpu", dtype, compile_on_cpu=True)
+    if name == STEPWISE:
+        return build_engine("native", model_dir, EngineConfig(decode_burst=1), "cpu", dtype)
     return build_engine(name, model_dir, EngineConfig(), "cpu", dtype)
+
+
+STEPWISE = "native-stepwise"  # the native engine with one decode step per call (engine.decode_burst: 1)
 
 
 def rss_bytes() -> int:
@@ -169,7 +177,7 @@ def worker_rollout(args) -> dict:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
         "finish_reasons": {r: sum(1 for x in results if x.finish_reason == r) for r in {x.finish_reason for x in results}},
     }
-    if args.engine == "native":
+    if args.engine in ("native", STEPWISE):
         stats = engine.stats()
         from colorl.engines.native.model_runner import kv_bytes_per_block
 
@@ -233,8 +241,8 @@ def worker_floor(args) -> dict:
     step uses, which is what bounds a batch of 32).
 
     A shared machine's bandwidth moves by half between minutes (10.5 to 15.9 GB/s here) and a step's time by
-    a fifth between seconds, so each timed step is followed by one reading of the read rate (MemoryReader.once,
-    about a step's time) and judged against the floor of that reading; a round's ratio is the median over its
+    a fifth between seconds, so each engine call (a burst of decode steps) is followed by one reading of the read
+    rate (MemoryReader.once, about a step's time) and its steps are judged against the floor of that reading; a round's ratio is the median over its
     steps, the rounds are interleaved over the batches, and the verdict is the median of the rounds' ratios
     (each round's kept). The matmul rate is measured just before each round of the batch it judges."""
     import statistics
@@ -264,11 +272,13 @@ def worker_floor(args) -> dict:
             engine.step()  # prefill
             steps, readings = [], []
             while engine.has_unfinished():
-                started = time.perf_counter()
-                engine.step()
-                steps.append(time.perf_counter() - started)
-                readings.append(reader.once())
-            steps, readings = steps[5:], readings[5:]
+                computed, started = engine.num_computed_tokens, time.perf_counter()
+                engine.step()  # a burst of decode steps in one call where the engine runs them (engine.decode_burst)
+                seconds, reading = time.perf_counter() - started, reader.once()
+                count = (engine.num_computed_tokens - computed) // batch  # decode steps in the call
+                steps += [seconds / count] * count
+                readings += [reading] * count
+            steps, readings = steps[8:], readings[8:]  # the first burst's steps: a warm-up
             floor_bytes = weight_bytes + batch * context * kv_per_token
             step, bandwidth = statistics.median(steps), statistics.median(readings)
             flops = batch * (2 * product_params + 4 * spec.num_layers * spec.num_heads * spec.head_dim * context)
@@ -376,7 +386,7 @@ def main() -> None:
     parser.add_argument("--floor-rounds", type=int, default=5,
                         help="decode floor: rounds of each batch, each after its own limits are measured again "
                              "(0: no decode floor)")
-    parser.add_argument("--worker", choices=["native", "hf", "vllm", "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["native", STEPWISE, "hf", "vllm", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -407,7 +417,7 @@ def main() -> None:
             print(f"{workload:9s} {name:6s} {entry[name]['tokens_per_s']:8.1f} tok/s  "
                   f"{entry[name]['generated_tokens']} tokens in {entry[name]['seconds']:.1f} s  "
                   f"rollout peak RSS {entry[name]['peak_rss_rollout_gb'] or entry[name]['peak_rss_gb']:.2f} GB", flush=True)
-        for other in ("hf", "vllm"):
+        for other in ("hf", "vllm", STEPWISE):
             if "native" in entry and other in entry:
                 entry[f"native_over_{other}"] = entry["native"]["tokens_per_s"] / entry[other]["tokens_per_s"]
                 print(f"{workload:9s} native / {other} = {entry[f'native_over_{other}']:.2f}x tokens/s; start-up "

@@ -178,6 +178,7 @@ class EngineConfig(Section):
     num_blocks: Optional[int] = Field(None, ge=1)  # explicit KV pool size; overrides memory_fraction
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)  # chunked prefill budget per step
+    decode_burst: int = Field(8, ge=1)  # native engine: decode steps per compiled call while every sequence decodes
     sleep_level: Optional[Literal[1, 2]] = None  # null: Config.sleep_level chooses
     # served dtype; null: model.dtype; auto: bf16 where train.mixed_precision's auto picks it
     dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"

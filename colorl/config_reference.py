@@ -171,6 +171,9 @@ NOTES: dict[str, str] = {
     "engine.num_blocks": "Explicit KV pool size in blocks; overrides `memory_fraction`.",
     "engine.max_num_seqs": "Most sequences one engine decodes at once (also capped by C / ranks).",
     "engine.max_prefill_tokens": "Chunked-prefill token budget per engine step.",
+    "engine.decode_burst": ("Native engine on CPU: decode steps run in one compiled call while every running "
+                            "sequence decodes with plain sampling (1: one step per call); weight updates and "
+                            "interrupts wait at most this many steps."),
     "engine.sleep_level": "Colocated mode between rollouts: 1 frees the KV cache, 2 also the weights (the next "
                           "sync brings them back). null: 2 for the native engine without LoRA (every sync "
                           "rewrites all its weights anyway, so training gets their memory for nothing), else 1.",

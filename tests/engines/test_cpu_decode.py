@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
 
@@ -21,19 +19,6 @@ from colorl.engines.native.model import AttentionGroup, DecoderLayer, _rotate, p
 from colorl.kernels import onednn_chosen
 from colorl.machine import cpu_identity
 from colorl.threads import pinned
-
-# where the loops must build: Linux on x86 with GCC (CI's machines); elsewhere a missing build skips, with its reason
-EXPECTS_LOOPS = (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
-                 and shutil.which(os.environ.get("CC") or "cc") is not None and "COLORL_CPU_DECODE" not in os.environ)
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    library = cpu_decode.load()
-    if library is None:
-        assert not EXPECTS_LOOPS, f"the decode loops did not build here: {cpu_decode.why_not()}"
-        pytest.skip(f"the decode loops are not used here: {cpu_decode.why_not()}")
-    return library
 
 
 @pytest.mark.parametrize("rows", range(1, cpu_decode.MAX_ROWS + 1))
@@ -483,7 +468,8 @@ def test_whole_layer_decode_equals_the_per_operation_loops(compiled, tiny_model_
     outputs = []
     for per_operation in (False, True):
         compiled.seconds = {} if per_operation else None  # a bench's split forces the per-operation path
-        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16), dtype=dtype)
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=16,
+                                                        decode_burst=1), dtype=dtype)  # a call per step (bursts: their own test)
         params = [SamplingParams(temperature=1.0, max_new_tokens=4 + 6 * i, ignore_eos=True, seed=i) for i in range(4)]
         outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
         compiled.seconds = None
@@ -740,7 +726,8 @@ def test_whole_layer_decode_over_panels_equals_the_per_operation_loops(compiled,
     outputs = []
     for per_operation in (False, True):
         compiled.seconds = {} if per_operation else None
-        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=256, block_size=4, max_prefill_tokens=512))
+        eng = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=256, block_size=4, max_prefill_tokens=512,
+                                                        decode_burst=1))  # a call per step (bursts: their own test)
         params = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, ignore_eos=True, seed=i) for i in range(18)]
         outputs.append(eng.generate([GenerationRequest(str(i), p, params[i]) for i, p in enumerate(prompts)]))
         compiled.seconds = None

@@ -148,7 +148,7 @@ def test_interrupt_and_resume_continue_like_an_uninterrupted_run(model_dir, keep
     eng = engine(model_dir)
     for r in requests(PROMPTS[:3], params):
         eng.add(r)
-    drain(eng, n_steps=8)
+    drain(eng, n_steps=5)  # the prefills (54 tokens, 16 a step), then a burst of decode steps (engine.decode_burst)
     partial = eng.interrupt(["r0", "r1", "r2"], keep_kv=keep_kv)
     assert {p.finish_reason for p in partial} == {"interrupt"}
     assert all(0 < len(p.output_ids) < 20 for p in partial)
@@ -229,7 +229,7 @@ def test_sleep_wake_round_trip_preserves_outputs(model_dir, level, backup):
     first = eng.generate(requests(PROMPTS, params))
     for r in requests(PROMPTS, params, prefix="s"):
         eng.add(r)
-    drain(eng, n_steps=4)  # asleep mid-flight: sequences are re-prefilled after wake
+    drain(eng, n_steps=2)  # asleep mid-flight (the prefills, a burst of decode steps): re-prefilled after wake
     eng.sleep(level)
     assert eng.stats().kv_blocks_used == 0 and eng.runner.kv_cache is None
     assert not eng.model.linears.packed._packed  # the packed weight copies are the training phase's too

@@ -40,7 +40,7 @@ from colorl.engines.native.block_manager import BlockManager
 from colorl.engines.native.host_memory import mapped_tensors
 from colorl.engines.native.model import CausalLM, Rotary, read_hf_folder
 from colorl.engines.native.model_runner import ModelRunner, kv_pool_blocks
-from colorl.engines.native.sampler import Sampler, SampleRow
+from colorl.engines.native.sampler import Sampler, SampleRow, uniform
 from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
 from colorl.models import eos_token_ids
 
@@ -85,6 +85,7 @@ class NativeEngine(Engine):
         num_blocks = kv_pool_blocks(engine_cfg, self.spec, self.device, dtype)
         self.blocks = BlockManager(num_blocks, engine_cfg.block_size)
         self.scheduler = Scheduler(self.blocks, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.decode_burst = engine_cfg.decode_burst
         self.runner = ModelRunner(self.model, num_blocks, engine_cfg.block_size, self.device, dtype)
         self.runner.allocate_kv()
         self.sampler = Sampler()
@@ -160,18 +161,32 @@ class NativeEngine(Engine):
         results, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         sampled: dict[int, tuple[int, float]] = {}
-        if batch.seqs:
+        burst = self._burst_steps(batch)
+        if burst > 1:  # several decode steps in one compiled call, their stops checked after, step by step
             started = time.perf_counter()
-            logits, rows = self.runner.run(batch)  # [N, V], batch index of each row
-            tokens, logps = self.sampler(logits, [self._sample_row(batch.seqs[i]) for i in rows],
-                                         self.model.compiled(torch.float32, self.device))
-            sampled = dict(zip(rows, zip(tokens, logps)))
-            self.num_computed_tokens += sum(batch.num_tokens)
-            self.num_generated_tokens += len(sampled)
-            self._rate.append((len(sampled), time.perf_counter() - started))
-        elif not results and not batch.truncated and self.scheduler.has_unfinished():
-            raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
-        for seq in self.scheduler.postprocess(batch, sampled, self.version):
+            steps = self.runner.run_burst(batch, burst, [[uniform(seq.seed, seq.num_output_tokens + j)
+                                                          for j in range(burst)] for seq in batch.seqs],
+                                          [seq.params.temperature for seq in batch.seqs])
+            before = sum(seq.num_output_tokens for seq in batch.seqs)
+            finished = self.scheduler.postprocess_burst(batch, steps, self.version)
+            generated = sum(seq.num_output_tokens for seq in batch.seqs) - before  # none past a stop
+            self.num_computed_tokens += burst * len(batch)
+            self.num_generated_tokens += generated
+            self._rate.append((generated, time.perf_counter() - started))
+        else:
+            if batch.seqs:
+                started = time.perf_counter()
+                logits, rows = self.runner.run(batch)  # [N, V], batch index of each row
+                tokens, logps = self.sampler(logits, [self._sample_row(batch.seqs[i]) for i in rows],
+                                             self.model.compiled(torch.float32, self.device))
+                sampled = dict(zip(rows, zip(tokens, logps)))
+                self.num_computed_tokens += sum(batch.num_tokens)
+                self.num_generated_tokens += len(sampled)
+                self._rate.append((len(sampled), time.perf_counter() - started))
+            elif not results and not batch.truncated and self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            finished = self.scheduler.postprocess(batch, sampled, self.version)
+        for seq in finished:
             results.append(self._result(seq, seq.finish_reason))
         self._finished_count += len(results)
         return results
@@ -310,6 +325,23 @@ class NativeEngine(Engine):
         )
 
     # ------------------------------------------------------------ helpers
+    def _burst_steps(self, batch: ScheduledBatch) -> int:
+        """How many decode steps the batch runs in one compiled call (1: a step as usual). A burst needs every
+        running sequence decoding with the compiled draw (temperature > 0, no top-k/top-p), none waiting to be
+        admitted, blocks for all its steps, and no sequence reaching its max_new_tokens before its last step; it
+        stops at engine.decode_burst steps, so a weight update or an interrupt waits at most that many."""
+        if self.decode_burst < 2 or not batch.seqs or self._pending or self.scheduler.waiting or batch.preempted:
+            return 1
+        if len(batch) != len(self.scheduler.running) or not all(n == 1 for n in batch.num_tokens):
+            return 1
+        params = [seq.params for seq in batch.seqs]
+        if not all(p.temperature > 0 and p.top_k == 0 and p.top_p >= 1.0 for p in params):
+            return 1
+        steps = min(self.decode_burst, *(p.max_new_tokens - seq.num_output_tokens for p, seq in zip(params, batch.seqs)))
+        if steps < 2 or not self.model.bursts(len(batch), self.dtype, self.device):
+            return 1
+        return steps if self.scheduler.reserve_ahead(batch, steps) else 1
+
     @staticmethod
     def _sample_row(seq: Sequence) -> SampleRow:
         p = seq.params

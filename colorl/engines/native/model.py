@@ -136,6 +136,16 @@ class StepInputs:
     every_token_samples: bool = False  # logit_rows is every row, in order: the compiled decode's call makes the logits
 
 
+@dataclass
+class DecodeBurst:
+    """What a burst of decode steps (`CausalLM.decode_burst`) needs beyond its first step's inputs: each step's K/V
+    slot of each row, and each row's draws and temperature, the rows in the first step's order."""
+
+    slots: torch.Tensor  # [steps, T] int64, row 0 the first step's slot_mapping
+    draws: list[float]  # steps * T uniforms in (0, 1] (sampler.uniform), step by step
+    temperatures: list[float]  # [T], each above 0
+
+
 # ---------------------------------------------------------------- modules
 
 
@@ -390,16 +400,12 @@ class CausalLM(nn.Module):
         started = time.perf_counter()
         inputs = self._whole_layers(step, compiled, x, kv_cache.shape[1])
         if inputs is not None:  # one compiled call for every layer
-            on_panels = compiled.on_panels(x.shape[0], x.dtype)  # the same for every layer of the step
-            layers = self._compiled_layers(kv_cache, compiled, on_panels)
             if step.every_token_samples:  # the logits come from the same call
-                head = cpu_decode.head_tensors(x.dtype, self.norm.weight, self._head(),
-                                               self.linears.panels.of(self._head(), compiled) if on_panels else None)
-                scratch = torch.empty(cpu_decode.decode_scratch_values(inputs, head, x.dtype), dtype=x.dtype)
+                layers, head, scratch = self._compiled_call(inputs, compiled, x, kv_cache)
                 logits = compiled.decode_layers(x, layers, inputs, scratch, head)
                 self._observe_decode(step, compiled, x.dtype, time.perf_counter() - started, head=True)
                 return logits
-            scratch = torch.empty(cpu_decode.decode_scratch_values(inputs), dtype=x.dtype)
+            layers, _, scratch = self._compiled_call(inputs, compiled, x, kv_cache, head=False)
             delta = compiled.decode_layers(x, layers, inputs, scratch)
         else:
             for layer, cache in zip(self.layers, kv_cache):
@@ -410,6 +416,46 @@ class CausalLM(nn.Module):
         _, x = self.norm.add_forward(x.index_select(0, rows), None if delta is None else delta.index_select(0, rows),
                                      compiled)  # [N, hidden]
         return self.linears.linear(x, self._head(), None, compiled).float()  # [N, V]
+
+    def bursts(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `decode_burst` runs a decode step of `rows` sequences here: the compiled whole-layer decode serves
+        it (`_whole_layers`)."""
+        return self._whole_layers_serve(self.compiled(dtype, device), rows, dtype)
+
+    @torch.inference_mode()
+    def decode_burst(self, step: StepInputs, kv_cache: torch.Tensor, burst: DecodeBurst) -> tuple[list[int], list[float]]:
+        """burst.slots.shape[0] decode steps of the same sequences in one compiled call, from `step` (one-token
+        decodes whose every token samples, `bursts` true for them): each step's tokens drawn from its logits over
+        burst's draws, as the sampler's compiled draw does it, and fed to the next step (cpu_decode's
+        `decode_burst`). Returns the tokens and log-probs, step by step, in step's row order."""
+        x = self.embed.index_select(0, step.input_ids)  # [T, hidden]
+        compiled = self.compiled(x.dtype, x.device)
+        steps = burst.slots.shape[0]
+        if compiled is not None:
+            self.rotary.cover(step.max_position + steps - 1)
+        started = time.perf_counter()
+        inputs = self._whole_layers(step, compiled, x, kv_cache.shape[1])
+        if inputs is None or not step.every_token_samples:
+            raise ValueError("decode_burst: the compiled whole-layer decode does not serve this step (see `bursts`)")
+        layers, head, scratch = self._compiled_call(inputs, compiled, x, kv_cache)
+        drawn = compiled.decode_burst(x, layers, inputs, scratch, head, self.embed, burst.temperatures, burst.slots,
+                                      burst.draws)
+        self._observe_decode(step, compiled, x.dtype, (time.perf_counter() - started) / steps, head=True)
+        return drawn
+
+    def _compiled_call(self, inputs: cpu_decode.DecodeStep, compiled: CpuDecode, x: torch.Tensor,
+                       kv_cache: torch.Tensor, head: bool = True) -> tuple[ctypes.Array, cpu_decode.DecodeHead | None,
+                                                                           torch.Tensor]:
+        """The layers, the head (with head: the final norm and LM head, for a step whose every token samples) and
+        the scratch of a compiled whole-layer decode call."""
+        on_panels = compiled.on_panels(x.shape[0], x.dtype)  # the same for every layer of the step
+        layers = self._compiled_layers(kv_cache, compiled, on_panels)
+        tensors = None
+        if head:
+            tensors = cpu_decode.head_tensors(x.dtype, self.norm.weight, self._head(),
+                                              self.linears.panels.of(self._head(), compiled) if on_panels else None)
+        scratch = torch.empty(cpu_decode.decode_scratch_values(inputs, tensors, x.dtype), dtype=x.dtype)
+        return layers, tensors, scratch
 
     def _compiled_layers(self, kv_cache: torch.Tensor, compiled: CpuDecode, on_panels: bool) -> ctypes.Array:
         """Every layer's tensors (`DecoderLayer.compiled_tensors`) as the array `decode_layers` takes, kept while no
@@ -433,9 +479,8 @@ class CausalLM(nn.Module):
         bench collecting the per-kind split (which the per-operation path times)."""
         s = self.spec
         tokens = x.shape[0]
-        if (compiled is None or compiled.seconds is not None or s.qk_norm or not self.layers[0].mlp.silu
-                or len(step.groups) != 1 or step.groups[0].block_tables is None
-                or not compiled.takes(tokens, x.dtype)):
+        if (not self._whole_layers_serve(compiled, tokens, x.dtype) or len(step.groups) != 1
+                or step.groups[0].block_tables is None):
             return None
         group = step.groups[0]
         cpu_decode.check_tensors(torch.int64, positions=step.positions, slots=step.slot_mapping,
@@ -448,6 +493,10 @@ class CausalLM(nn.Module):
             slots=step.slot_mapping.data_ptr(), tables=group.block_tables.data_ptr(), lengths=group.lengths.data_ptr(),
             eps=s.rms_norm_eps, scale=self.layers[0].self_attn.scale, threads=torch.get_num_threads())
         return inputs
+
+    def _whole_layers_serve(self, compiled: CpuDecode | None, rows: int, dtype: torch.dtype) -> bool:
+        return (compiled is not None and compiled.seconds is None and not self.spec.qk_norm
+                and self.layers[0].mlp.silu and compiled.takes(rows, dtype))
 
     def _observe_decode(self, step: StepInputs, compiled: CpuDecode, dtype: torch.dtype, seconds: float,
                         head: bool = False) -> None:

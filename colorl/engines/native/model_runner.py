@@ -19,7 +19,7 @@ import os
 import torch
 
 from colorl.engines.native.host_memory import mapped_empty
-from colorl.engines.native.model import AttentionGroup, CausalLM, ModelSpec, StepInputs
+from colorl.engines.native.model import AttentionGroup, CausalLM, DecodeBurst, ModelSpec, StepInputs
 from colorl.engines.native.scheduler import ScheduledBatch
 
 # A padded SDPA call costs about as much as attending to this many extra cache slots; it decides
@@ -123,7 +123,29 @@ class ModelRunner:
         step, sampling = self.prepare(batch)
         return self.model(step, self.kv_cache), sampling
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+    @torch.inference_mode()
+    def run_burst(self, batch: ScheduledBatch, steps: int, draws: list[list[float]],
+                  temperatures: list[float]) -> list[dict[int, tuple[int, float]]]:
+        """`steps` decode steps of a batch of one-token decodes in one call (`CausalLM.decode_burst`), whose blocks
+        hold all of them (`Scheduler.reserve_ahead`). draws[i][j]: batch item i's uniform at step j; temperatures[i]
+        its temperature. Returns, step by step, batch index -> (token, log-prob)."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not allocated (engine asleep?)")
+        step, rows = self.prepare(batch, ahead=steps - 1)
+        size = self.block_size
+        slots = [[batch.seqs[i].block_table[(batch.starts[i] + j) // size] * size + (batch.starts[i] + j) % size
+                  for i in rows] for j in range(steps)]
+        burst = DecodeBurst(slots=self._tensor(slots), draws=[draws[i][j] for j in range(steps) for i in rows],
+                            temperatures=[temperatures[i] for i in rows])
+        step.slot_mapping = burst.slots[0]  # the same slots, in the burst's tensor (its row 0)
+        tokens, logps = self.model.decode_burst(step, self.kv_cache, burst)
+        count = len(rows)
+        return [dict(zip(rows, zip(tokens[j * count:(j + 1) * count], logps[j * count:(j + 1) * count])))
+                for j in range(steps)]
+
+    def prepare(self, batch: ScheduledBatch, ahead: int = 0) -> tuple[StepInputs, list[int]]:
+        """The step's tensors, and the batch index of each row that samples; ahead: steps after this one that the
+        compiled decode's block tables must reach too (a burst's)."""
         decodes = sorted((i for i in range(len(batch)) if batch.num_tokens[i] == 1), key=lambda i: batch.starts[i])
         prefills = [i for i in range(len(batch)) if batch.num_tokens[i] > 1]
         compiled = self.model.compiled(self.dtype, self.device) is not None
@@ -158,7 +180,7 @@ class ModelRunner:
                     logit_rows.append(len(input_ids) - 1)
                     sampling.append(i)
             if compiled and items is not prefills:
-                groups.append(self._decode_group(batch, items, group_start, len(input_ids)))
+                groups.append(self._decode_group(batch, items, group_start, len(input_ids), ahead))
             else:
                 groups.append(self._group(batch, items, group_start, len(input_ids)))
 
@@ -173,10 +195,12 @@ class ModelRunner:
         )
         return step, sampling
 
-    def _decode_group(self, batch: ScheduledBatch, items: list[int], start: int, end: int) -> AttentionGroup:
-        """One-token decodes for the compiled attention: each sequence's block table and length, unpadded."""
+    def _decode_group(self, batch: ScheduledBatch, items: list[int], start: int, end: int,
+                      ahead: int = 0) -> AttentionGroup:
+        """One-token decodes for the compiled attention: each sequence's block table and length, unpadded; the
+        tables wide enough for `ahead` steps more."""
         lengths = [batch.starts[i] + 1 for i in items]
-        width = -(-max(lengths) // self.block_size)
+        width = -(-(max(lengths) + ahead) // self.block_size)
         tables = [batch.seqs[i].block_table[:width] for i in items]
         return AttentionGroup(
             start=start, end=end, batch=len(items), q_len=1, kv_len=max(lengths), block_size=self.block_size,

@@ -274,6 +274,33 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def reserve_ahead(self, batch: ScheduledBatch, steps: int) -> bool:
+        """Blocks for `steps` tokens of every sequence of a batch of one-token decodes (a burst, whose first step
+        `schedule` reserved), all or none: False, and nothing taken, when the pool has too few free."""
+        needed = [self.blocks.blocks_for(seq.num_computed_tokens + steps) - len(seq.block_table) for seq in batch.seqs]
+        if not self.blocks.can_allocate(sum(n for n in needed if n > 0)):
+            return False
+        for seq, n in zip(batch.seqs, needed):
+            if n > 0:
+                seq.block_table.extend(self.blocks.allocate(n))
+        return True
+
+    def postprocess_burst(self, batch: ScheduledBatch, steps: list[dict[int, tuple[int, float]]],
+                          version: int) -> list[Sequence]:
+        """`postprocess` for each step of a burst in turn (`reserve_ahead`): after the first, the batch's sequences
+        still running decode one token each, as `schedule` would have scheduled them; what a sequence that stopped
+        computed past its end is dropped with it."""
+        finished = self.postprocess(batch, steps[0], version)
+        for sampled in steps[1:]:
+            step, on = ScheduledBatch(), {}
+            for i, seq in enumerate(batch.seqs):
+                if seq.status is Status.RUNNING:
+                    self._offer_full_blocks(seq, 1)
+                    on[i] = len(step)
+                    step.add(seq, 1)
+            finished += self.postprocess(step, {on[i]: drawn for i, drawn in sampled.items() if i in on}, version)
+        return finished
+
     @staticmethod
     def stop_reason(seq: Sequence) -> str | None:
         if seq.num_output_tokens and seq.token_ids[-1] in seq.stop_ids:

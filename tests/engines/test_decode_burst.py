@@ -1,0 +1,145 @@
+"""Bursts of decode steps in one compiled call (engine.decode_burst): the tokens, log-probs, stops, versions and
+prefix cache of one step per call, with the Python between steps run once per burst."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colorl.config import EngineConfig
+from colorl.engines.base import GenerationRequest, SamplingParams
+from colorl.engines.native import NativeEngine, cpu_decode
+from colorl.engines.native.block_manager import BlockManager
+from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
+from colorl.models import save_tiny_model
+
+
+@pytest.fixture
+def every_row_count(compiled, monkeypatch):
+    """The loops take every row count, whatever this machine's race said (a burst runs only where they do)."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, cpu_decode.MAX_ROWS + 1)))
+
+
+@pytest.fixture
+def bursts(monkeypatch):
+    """(rows, steps) of every burst the compiled loops run."""
+    seen = []
+    original = cpu_decode.CpuDecode.decode_burst
+
+    def spied(self, x, layers, step, scratch, head, embed, temperatures, slots, u):
+        seen.append(tuple(slots.shape))
+        return original(self, x, layers, step, scratch, head, embed, temperatures, slots, u)
+
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_burst", spied)
+    return seen
+
+
+def run(folder, dtype, burst: int, requests: list[GenerationRequest], **cfg):
+    engine = NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=64, decode_burst=burst,
+                                               **cfg), dtype=dtype)
+    return engine, {r.request_id: r for r in engine.generate(requests)}
+
+
+def same_results(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid].output_ids == b[rid].output_ids, rid
+        assert a[rid].logprobs == b[rid].logprobs, rid  # bit for bit
+        assert (a[rid].finish_reason, a[rid].versions) == (b[rid].finish_reason, b[rid].versions), rid
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
+def test_a_burst_samples_what_one_step_per_call_samples(every_row_count, bursts, tmp_path, dtype, tied):
+    """Sequences of several temperatures and lengths, some stopped by a token in the middle of a burst, over
+    blocks of 4 tokens that bursts of 8 cross: the same tokens, bit-identical log-probs, stops and versions as one
+    step per call; the blocks all come back, and the prefix cache holds the same blocks after."""
+    folder = save_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
+
+    def requests(stop_ids=()):
+        return [GenerationRequest(str(i), list(range(10, 13 + 2 * i)),
+                                  SamplingParams(temperature=(1.0, 0.7, 1.3)[i % 3], max_new_tokens=6 + 9 * i,
+                                                 stop_token_ids=stop_ids, seed=i))
+                for i in range(4)]
+
+    _, free = run(folder, dtype, 1, requests())  # where each sequence would go unstopped
+    longest = free["3"].output_ids
+    stop = next(t for i, t in enumerate(longest) if i % 8 not in (0, 7) and t not in longest[:i])  # inside a burst
+    engines, results = {}, {}
+    for burst in (1, 8):
+        bursts.clear()
+        engines[burst], results[burst] = run(folder, dtype, burst, requests((stop,)))
+        assert bool(bursts) == (burst > 1)
+    same_results(results[8], results[1])
+    assert results[8]["3"].finish_reason == "stop" and len(results[8]["3"].output_ids) % 8 not in (0, 1)
+    for engine in engines.values():
+        assert engine.blocks.num_used_blocks == 0
+    again = [GenerationRequest(f"again-{rid}", r.prompt_ids + r.output_ids, SamplingParams(max_new_tokens=1))
+             for rid, r in results[1].items()]
+    for engine in engines.values():
+        engine.generate(again)
+    assert engines[8].scheduler.num_prefix_hit_tokens == engines[1].scheduler.num_prefix_hit_tokens > 0
+
+
+def test_steps_that_a_burst_cannot_run_run_one_per_call(every_row_count, bursts, tiny_model_dir, monkeypatch):
+    """Rows drawn by torch's sampler (top-p, greedy), requests waiting to be admitted, and a pool without blocks
+    for every step of a burst: one step per call, the same results as with bursts off."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, ignore_eos=True, seed=1)
+    for params in (greedy, nucleus):
+        bursts.clear()
+        _, on = run(tiny_model_dir, torch.float32, 8, [GenerationRequest("a", [10, 11, 12], params)])
+        _, off = run(tiny_model_dir, torch.float32, 1, [GenerationRequest("a", [10, 11, 12], params)])
+        same_results(on, off)
+        assert bursts == []
+    plain = [GenerationRequest(str(i), [10 + i, 11, 12], SamplingParams(max_new_tokens=10 + 3 * i, seed=i,
+                                                                         ignore_eos=True)) for i in range(3)]
+    waiting = []
+    burst_steps = NativeEngine._burst_steps
+    monkeypatch.setattr(NativeEngine, "_burst_steps", lambda self, batch: waiting.append(len(self.scheduler.waiting))
+                        or burst_steps(self, batch))
+    bursts.clear()
+    _, on = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=2)
+    _, off = run(tiny_model_dir, torch.float32, 1, plain, max_num_seqs=2)
+    same_results(on, off)
+    assert bursts and waiting[:9] == [1] * 9  # the third request waited through the first nine steps, one per call
+    monkeypatch.setattr(Scheduler, "reserve_ahead", lambda self, batch, steps: False)  # no blocks to spare
+    bursts.clear()
+    _, tight = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=2)
+    same_results(tight, off)
+    assert bursts == []
+
+
+def test_reserving_a_burst_takes_every_block_or_none():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_prefill_tokens=64)
+    batch = ScheduledBatch()
+    for i in range(2):
+        seq = Sequence(str(i), list(range(7)), 6, SamplingParams(), seed=i)
+        seq.block_table, seq.num_computed_tokens = blocks.allocate(2), 6  # position 6 is the next to compute
+        batch.add(seq, 1)
+    assert not scheduler.reserve_ahead(batch, 8)  # 3 more blocks each: 6 > the 2 free
+    assert blocks.num_free_blocks == 2 and [len(s.block_table) for s in batch.seqs] == [2, 2]
+    assert scheduler.reserve_ahead(batch, 6)  # 1 more each
+    assert blocks.num_free_blocks == 0 and [len(s.block_table) for s in batch.seqs] == [3, 3]
+
+
+def test_a_bad_slot_later_in_a_burst_raises(every_row_count, compiled, tiny_model_dir, monkeypatch):
+    """The burst's call checks each step's slots in C, and returns the first error of its loops."""
+    original = cpu_decode.CpuDecode.decode_burst
+
+    def corrupt(self, x, layers, step, scratch, head, embed, temperatures, slots, u):
+        slots[-1] = 10**9  # the last step's K/V past the cache
+        return original(self, x, layers, step, scratch, head, embed, temperatures, slots, u)
+
+    monkeypatch.setattr(cpu_decode.CpuDecode, "decode_burst", corrupt)
+    engine = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4, decode_burst=4))
+    with pytest.raises(IndexError, match="outside the cache"):
+        engine.generate([GenerationRequest("a", [10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True))])
+    slots = torch.zeros(2, 1, dtype=torch.int64)
+    step, head = cpu_decode.DecodeStep(tokens=1, hidden=4, slots=slots.data_ptr()), cpu_decode.DecodeHead(vocab=3)
+    with pytest.raises(ValueError, match="temperature above 0"):
+        compiled.decode_burst(torch.zeros(1, 4), None, step, torch.zeros(64), head, torch.zeros(3, 4), [0.0], slots,
+                              [0.5, 0.5])
+    with pytest.raises(ValueError, match="do not agree"):  # a draw short
+        compiled.decode_burst(torch.zeros(1, 4), None, step, torch.zeros(64), head, torch.zeros(3, 4), [1.0], slots,
+                              [0.5])
