@@ -702,11 +702,12 @@ int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
  * (colorl_sample_plain, at u[j * T + t]) and feeding it to the next step: its embedding row copied into the stream,
  * its position and context length one further, its K/V into slots[j * T + t]. Each step runs the loops of
  * colorl_decode_logits, then divides a row's logits by its temperature (float32, as the sampler's z / T) where that
- * is not 1: so the tokens and log-probs are those of `steps` single steps. Between single steps the engine's Python
- * (scheduling, the step's tensors, the draws, appending the tokens) took 0.45-0.75 ms while the second core idled:
- * 0.1-0.2x of a bf16 step's floor at two threads on a Zen 5. The caller reserved every slot and checks the stop
- * conditions after, step by step, dropping what a stopped sequence computed past its end. x: the first step's
- * stream; s: the first step's inputs (not changed); tokens, logps: [steps, T]. Stops at the first error. */
+ * is not 1: so the tokens and log-probs are those of `steps` single steps. Between single steps the engine's
+ * Python (scheduling, the step's tensors, the draws, appending the tokens) took 0.45-0.75 ms while the second core
+ * idled; in bursts of 8 a bf16 step at two threads on a Zen 5 took 0.93-0.97x the time. The caller reserved every
+ * slot, and checks the stop conditions after, step by step, dropping what a stopped sequence computed past its
+ * end. x: the first step's stream; s: the first step's inputs (not changed); tokens, logps: [steps, T]. Stops at
+ * the first error. */
 int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                const decode_step_t *s, const decode_head_t *head, float *logits, const ELEM *embed,
                                const float *temperatures, int64_t steps, const int64_t *slots, const double *u,
