@@ -2,6 +2,9 @@
 
 `step()` is the whole loop: schedule (continuous batching, chunked prefill, preemption), run
 the model once over every scheduled token, sample, post-process (append, stop, free blocks).
+While every running sequence decodes with the compiled draw on CPU, one `step()` runs a burst of
+`engine.decode_burst` such steps in one compiled call and post-processes them in turn: the same
+tokens, log-probs and stops, with the Python around a step paid once per burst.
 Around it sit the RL controls the trainer needs and a serving engine usually hides:
 - every output token carries its behaviour log-prob (sampler.py says exactly which
   distribution) and the policy version that produced it;
@@ -163,16 +166,7 @@ class NativeEngine(Engine):
         sampled: dict[int, tuple[int, float]] = {}
         burst = self._burst_steps(batch)
         if burst > 1:  # several decode steps in one compiled call, their stops checked after, step by step
-            started = time.perf_counter()
-            steps = self.runner.run_burst(batch, burst, [[uniform(seq.seed, seq.num_output_tokens + j)
-                                                          for j in range(burst)] for seq in batch.seqs],
-                                          [seq.params.temperature for seq in batch.seqs])
-            before = sum(seq.num_output_tokens for seq in batch.seqs)
-            finished = self.scheduler.postprocess_burst(batch, steps, self.version)
-            generated = sum(seq.num_output_tokens for seq in batch.seqs) - before  # none past a stop
-            self.num_computed_tokens += burst * len(batch)
-            self.num_generated_tokens += generated
-            self._rate.append((generated, time.perf_counter() - started))
+            finished = self._run_burst(batch, burst)
         else:
             if batch.seqs:
                 started = time.perf_counter()
@@ -337,10 +331,25 @@ class NativeEngine(Engine):
         params = [seq.params for seq in batch.seqs]
         if not all(p.temperature > 0 and p.top_k == 0 and p.top_p >= 1.0 for p in params):
             return 1
-        steps = min(self.decode_burst, *(p.max_new_tokens - seq.num_output_tokens for p, seq in zip(params, batch.seqs)))
+        left = [p.max_new_tokens - seq.num_output_tokens for p, seq in zip(params, batch.seqs)]  # this step's included
+        steps = min(self.decode_burst, *left)
         if steps < 2 or not self.model.bursts(len(batch), self.dtype, self.device):
             return 1
         return steps if self.scheduler.reserve_ahead(batch, steps) else 1
+
+    def _run_burst(self, batch: ScheduledBatch, steps: int) -> list[Sequence]:
+        """`steps` decode steps of the batch in one call, each row drawn at its own counter (`sampler.uniform`),
+        then post-processed step by step; returns the sequences that finished."""
+        started = time.perf_counter()
+        draws = [[uniform(seq.seed, seq.num_output_tokens + j) for j in range(steps)] for seq in batch.seqs]
+        drawn = self.runner.run_burst(batch, steps, draws, [seq.params.temperature for seq in batch.seqs])
+        before = sum(seq.num_output_tokens for seq in batch.seqs)
+        finished = self.scheduler.postprocess_burst(batch, drawn, self.version)
+        generated = sum(seq.num_output_tokens for seq in batch.seqs) - before  # none past a stop
+        self.num_computed_tokens += steps * len(batch)
+        self.num_generated_tokens += generated
+        self._rate.append((generated, time.perf_counter() - started))
+        return finished
 
     @staticmethod
     def _sample_row(seq: Sequence) -> SampleRow:

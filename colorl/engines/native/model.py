@@ -423,7 +423,8 @@ class CausalLM(nn.Module):
         return self._whole_layers_serve(self.compiled(dtype, device), rows, dtype)
 
     @torch.inference_mode()
-    def decode_burst(self, step: StepInputs, kv_cache: torch.Tensor, burst: DecodeBurst) -> tuple[list[int], list[float]]:
+    def decode_burst(self, step: StepInputs, kv_cache: torch.Tensor,
+                     burst: DecodeBurst) -> tuple[list[int], list[float]]:
         """burst.slots.shape[0] decode steps of the same sequences in one compiled call, from `step` (one-token
         decodes whose every token samples, `bursts` true for them): each step's tokens drawn from its logits over
         burst's draws, as the sampler's compiled draw does it, and fed to the next step (cpu_decode's
