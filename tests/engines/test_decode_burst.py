@@ -21,13 +21,14 @@ def every_row_count(compiled, monkeypatch):
 
 @pytest.fixture
 def bursts(monkeypatch):
-    """(rows, steps) of every burst the compiled loops run."""
+    """(steps asked for, rows, steps run) of every burst the compiled loops run."""
     seen = []
     original = cpu_decode.CpuDecode.decode_burst
 
-    def spied(self, x, layers, step, scratch, head, embed, temperatures, slots, u):
-        seen.append(tuple(slots.shape))
-        return original(self, x, layers, step, scratch, head, embed, temperatures, slots, u)
+    def spied(self, x, layers, step, scratch, head, embed, temperatures, slots, u, stops):
+        tokens, logps = original(self, x, layers, step, scratch, head, embed, temperatures, slots, u, stops)
+        seen.append((*slots.shape, len(tokens) // slots.shape[1]))
+        return tokens, logps
 
     monkeypatch.setattr(cpu_decode.CpuDecode, "decode_burst", spied)
     return seen
@@ -49,28 +50,38 @@ def same_results(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-def test_a_burst_samples_what_one_step_per_call_samples(every_row_count, bursts, tmp_path, dtype, tied):
-    """Sequences of several temperatures and lengths, some stopped by a token in the middle of a burst, over
-    blocks of 4 tokens that bursts of 8 cross: the same tokens, bit-identical log-probs, stops and versions as one
-    step per call; the blocks all come back, and the prefix cache holds the same blocks after."""
+def test_a_burst_samples_what_one_step_per_call_samples(compiled, bursts, tmp_path, monkeypatch, dtype, tied):
+    """Five sequences at several temperatures, over blocks of 4 tokens that bursts of 8 cross; the loops take 5
+    rows and more, and a step of 4 runs on torch's operators (other bits). One sequence draws its stop token in
+    the middle of the first burst: the burst ends there, so the other four go on at 4 rows as with one step per
+    call (a burst that ran on over the stopped row would compute them among 5 on the loops). The same tokens,
+    bit-identical log-probs, stops and versions as one step per call; the blocks all come back, and the prefix
+    cache holds the same blocks after."""
+    monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset({5, 6, 7, 8}))
     folder = save_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
 
-    def requests(stop_ids=()):
+    def requests(seed, stop_ids=()):
         return [GenerationRequest(str(i), list(range(10, 13 + 2 * i)),
-                                  SamplingParams(temperature=(1.0, 0.7, 1.3)[i % 3], max_new_tokens=6 + 9 * i,
-                                                 stop_token_ids=stop_ids, seed=i))
-                for i in range(4)]
+                                  SamplingParams(temperature=(1.0, 0.7, 1.3)[i % 3], max_new_tokens=20 + i,
+                                                 stop_token_ids=stop_ids, seed=seed + i))
+                for i in range(5)]
 
-    _, free = run(folder, dtype, 1, requests())  # where each sequence would go unstopped
-    longest = free["3"].output_ids
-    stop = next(t for i, t in enumerate(longest) if i % 8 not in (0, 7) and t not in longest[:i])  # inside a burst
+    def stop_in_the_first_burst(seed):  # a token the last sequence draws 3rd and no sequence draws before
+        _, free = run(folder, dtype, 1, requests(seed))
+        token = free["4"].output_ids[3]
+        if all(token not in r.output_ids[:4 if rid != "4" else 3] for rid, r in free.items()):
+            return token
+        return None
+
+    seed, stop = next((seed, stop) for seed in range(0, 1000, 10) if (stop := stop_in_the_first_burst(seed)))
     engines, results = {}, {}
     for burst in (1, 8):
         bursts.clear()
-        engines[burst], results[burst] = run(folder, dtype, burst, requests((stop,)))
+        engines[burst], results[burst] = run(folder, dtype, burst, requests(seed, (stop,)))
         assert bool(bursts) == (burst > 1)
     same_results(results[8], results[1])
-    assert results[8]["3"].finish_reason == "stop" and len(results[8]["3"].output_ids) % 8 not in (0, 1)
+    assert results[8]["4"].finish_reason == "stop" and len(results[8]["4"].output_ids) == 4
+    assert bursts[0] == (8, 5, 3)  # ended by the stop, after its third step
     for engine in engines.values():
         assert engine.blocks.num_used_blocks == 0
     again = [GenerationRequest(f"again-{rid}", r.prompt_ids + r.output_ids, SamplingParams(max_new_tokens=1))
@@ -127,9 +138,9 @@ def test_a_bad_slot_later_in_a_burst_raises(every_row_count, compiled, tiny_mode
     """The burst's call checks each step's slots in C, and returns the first error of its loops."""
     original = cpu_decode.CpuDecode.decode_burst
 
-    def corrupt(self, x, layers, step, scratch, head, embed, temperatures, slots, u):
+    def corrupt(self, x, layers, step, scratch, head, embed, temperatures, slots, u, stops):
         slots[-1] = 10**9  # the last step's K/V past the cache
-        return original(self, x, layers, step, scratch, head, embed, temperatures, slots, u)
+        return original(self, x, layers, step, scratch, head, embed, temperatures, slots, u, stops)
 
     monkeypatch.setattr(cpu_decode.CpuDecode, "decode_burst", corrupt)
     engine = NativeEngine(tiny_model_dir, EngineConfig(num_blocks=16, block_size=4, decode_burst=4))
@@ -139,7 +150,7 @@ def test_a_bad_slot_later_in_a_burst_raises(every_row_count, compiled, tiny_mode
     step, head = cpu_decode.DecodeStep(tokens=1, hidden=4, slots=slots.data_ptr()), cpu_decode.DecodeHead(vocab=3)
     with pytest.raises(ValueError, match="temperature above 0"):
         compiled.decode_burst(torch.zeros(1, 4), None, step, torch.zeros(64), head, torch.zeros(3, 4), [0.0], slots,
-                              [0.5, 0.5])
+                              [0.5, 0.5], [()])
     with pytest.raises(ValueError, match="do not agree"):  # a draw short
         compiled.decode_burst(torch.zeros(1, 4), None, step, torch.zeros(64), head, torch.zeros(3, 4), [1.0], slots,
-                              [0.5])
+                              [0.5], [()])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import time
 from typing import Callable, Iterable
@@ -169,7 +170,7 @@ _SIGNATURES = {  # each is built once per dtype, named with its suffix
     "colorl_decode_logits": ([_p, _p, _p, ctypes.POINTER(DecodeLayer), _i64, ctypes.POINTER(DecodeStep),
                               ctypes.POINTER(DecodeHead), _p], _int),
     "colorl_decode_burst": ([_p, _p, _p, ctypes.POINTER(DecodeLayer), _i64, ctypes.POINTER(DecodeStep),
-                             ctypes.POINTER(DecodeHead), _p, _p, _p, _i64, _p, _p, _p, _p], _int),
+                             ctypes.POINTER(DecodeHead), _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p], _int),
 }
 SUFFIXES = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 DTYPES = tuple(SUFFIXES)  # what the loops take: every tensor of a call in one of these
@@ -532,31 +533,37 @@ class CpuDecode:
 
     def decode_burst(self, x: torch.Tensor, layers: ctypes.Array, step: DecodeStep, scratch: torch.Tensor,
                      head: DecodeHead, embed: torch.Tensor, temperatures: list[float], slots: torch.Tensor,
-                     u: list[float]) -> tuple[list[int], list[float]]:
-        """`steps` decode steps of step.tokens sequences in one call (cpu_decode_loops.h's colorl_decode_burst):
+                     u: list[float], stops: list[Iterable[int]]) -> tuple[list[int], list[float]]:
+        """Up to `steps` decode steps of step.tokens sequences in one call (cpu_decode_loops.h's colorl_decode_burst):
         each as `decode_layers` with a `head` runs one, then each row's logits divided by its temperature (> 0) and
         a draw as `sample_plain`'s at u[j * T + row], whose token's `embed` row is the next step's input at the
-        next position, its K/V written to slots[j, row]. slots: int64 [steps, T], row 0 the step's own (the caller
-        reserved them all, and covered the last position in the cos/sin tables and the tables' width); u: steps * T
-        numbers in (0, 1]. Returns the tokens and log-probs, steps * T each, step by step."""
+        next position, its K/V written to slots[j, row]. The burst ends after the first step at which a row draws
+        one of its `stops` (each row's stop tokens), so each step runs over the rows one step per call would.
+        slots: int64 [steps, T], row 0 the step's own (the caller reserved them all, and covered the last position
+        in the cos/sin tables and the tables' width); u: steps * T numbers in (0, 1]. Returns the tokens and
+        log-probs of the steps run, T each, step by step."""
         check_tensors(x.dtype, x=x, scratch=scratch, embed=embed)
         check_tensors(torch.int64, slots=slots)
         steps, rows = slots.shape
         if (x.shape != (step.tokens, step.hidden) or rows != step.tokens or len(u) != steps * rows
-                or len(temperatures) != rows or embed.shape != (head.vocab, step.hidden)
+                or len(temperatures) != rows or len(stops) != rows or embed.shape != (head.vocab, step.hidden)
                 or scratch.numel() < decode_scratch_values(step, head, x.dtype)
                 or step.slots != slots.data_ptr()):
-            raise ValueError("compiled decode_burst: x, the scratch, the embedding, the slots, the draws and the "
-                             "step's shapes do not agree")
+            raise ValueError("compiled decode_burst: x, the scratch, the embedding, the slots, the draws, the stops "
+                             "and the step's shapes do not agree")
         if min(temperatures) <= 0:
             raise ValueError("compiled decode_burst: every row samples at a temperature above 0")
+        flat = [token for row in stops for token in row]
+        offsets = list(itertools.accumulate((len(row) for row in stops), initial=0))  # row t: flat[o[t]:o[t + 1]]
         out, logits = torch.empty_like(x), torch.empty(rows, head.vocab, dtype=torch.float32)
         tokens, logps = (ctypes.c_int64 * (steps * rows))(), (ctypes.c_float * (steps * rows))()
+        done = ctypes.c_int64()
         _raise_for(self._functions["colorl_decode_burst", x.dtype](
             _ptr(x), _ptr(out), _ptr(scratch), layers, len(layers), ctypes.byref(step), ctypes.byref(head),
             _ptr(logits), _ptr(embed), (ctypes.c_float * rows)(*temperatures), steps, _ptr(slots),
-            (ctypes.c_double * (steps * rows))(*u), tokens, logps))
-        return list(tokens), list(logps)
+            (ctypes.c_double * (steps * rows))(*u), (ctypes.c_int64 * max(len(flat), 1))(*flat),
+            (ctypes.c_int64 * (rows + 1))(*offsets), tokens, logps, ctypes.byref(done)))
+        return list(tokens[:done.value * rows]), list(logps[:done.value * rows])
 
 
 def decode_scratch_values(step: DecodeStep, head: DecodeHead | None = None, dtype: torch.dtype = torch.float32) -> int:

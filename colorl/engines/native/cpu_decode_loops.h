@@ -698,20 +698,22 @@ int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
     return 0;
 }
 
-/* A burst of `steps` decode steps of the same T sequences in one call, each sampling every sequence's next token
- * (colorl_sample_plain, at u[j * T + t]) and feeding it to the next step: its embedding row copied into the stream,
- * its position and context length one further, its K/V into slots[j * T + t]. Each step runs the loops of
+/* A burst of up to `steps` decode steps of the same T sequences in one call, each sampling every sequence's next
+ * token (colorl_sample_plain, at u[j * T + t]) and feeding it to the next step: its embedding row copied into the
+ * stream, its position and context length one further, its K/V into slots[j * T + t]. Each step runs the loops of
  * colorl_decode_logits, then divides a row's logits by its temperature (float32, as the sampler's z / T) where that
- * is not 1: so the tokens and log-probs are those of `steps` single steps. Between single steps the engine's
- * Python (scheduling, the step's tensors, the draws, appending the tokens) took 0.45-0.75 ms while the second core
- * idled; in bursts of 8 a bf16 step at two threads on a Zen 5 took 0.93-0.97x the time. The caller reserved every
- * slot, and checks the stop conditions after, step by step, dropping what a stopped sequence computed past its
- * end. x: the first step's stream; s: the first step's inputs (not changed); tokens, logps: [steps, T]. Stops at
- * the first error. */
+ * is not 1. The burst ends after the first step at which a row draws one of its stop tokens (stops[offsets[t]] to
+ * stops[offsets[t + 1]] for row t), so that every step runs over the rows one step per call would run: the row
+ * count picks the products' loops, and with them the bits. So the tokens and log-probs are those of single steps.
+ * Between single steps the engine's Python (scheduling, the step's tensors, the draws, appending the tokens) took
+ * 0.45-0.75 ms while the second core idled; in bursts of 8 a bf16 step at two threads on a Zen 5 took 0.93-0.97x
+ * the time. The caller reserved every slot. x: the first step's stream; s: the first step's inputs (not changed);
+ * tokens, logps: [steps, T], of which *done steps are drawn. Stops at the first error. */
 int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                const decode_step_t *s, const decode_head_t *head, float *logits, const ELEM *embed,
                                const float *temperatures, int64_t steps, const int64_t *slots, const double *u,
-                               int64_t *tokens, float *logps) {
+                               const int64_t *stops, const int64_t *offsets, int64_t *tokens, float *logps,
+                               int64_t *done) {
     int64_t T = s->tokens, C = s->hidden, V = head->vocab;
     int64_t *moved = malloc(sizeof(int64_t) * 2 * T); /* positions, then lengths */
     if (!moved) return COLORL_NO_MEMORY;
@@ -720,8 +722,9 @@ int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_l
     decode_step_t step = *s;
     step.positions = moved;
     step.lengths = moved + T;
-    int code = 0;
-    for (int64_t j = 0; j < steps && !code; j++) {
+    int code = 0, stopped = 0;
+    *done = 0;
+    for (int64_t j = 0; j < steps && !code && !stopped; j++) {
         if (j > 0) {
             for (int64_t t = 0; t < T; t++) {
                 memcpy(x + t * C, embed + tokens[(j - 1) * T + t] * C, sizeof(ELEM) * C);
@@ -734,7 +737,10 @@ int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_l
         for (int64_t t = 0; t < T; t++)
             if (temperatures[t] != 1.0f)
                 for (int64_t v = 0; v < V; v++) logits[t * V + v] /= temperatures[t];
-        code = colorl_sample_plain(logits, T, V, u + j * T, tokens + j * T, logps + j * T, s->threads);
+        if ((code = colorl_sample_plain(logits, T, V, u + j * T, tokens + j * T, logps + j * T, s->threads))) break;
+        *done = j + 1;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = offsets[t]; i < offsets[t + 1]; i++) stopped |= tokens[j * T + t] == stops[i];
     }
     free(moved);
     return code;

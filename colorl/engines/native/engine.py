@@ -2,9 +2,10 @@
 
 `step()` is the whole loop: schedule (continuous batching, chunked prefill, preemption), run
 the model once over every scheduled token, sample, post-process (append, stop, free blocks).
-While every running sequence decodes with the compiled draw on CPU, one `step()` runs a burst of
-`engine.decode_burst` such steps in one compiled call and post-processes them in turn: the same
-tokens, log-probs and stops, with the Python around a step paid once per burst.
+While every running sequence decodes with the compiled draw on CPU, one `step()` runs a burst of up
+to `engine.decode_burst` such steps in one compiled call, ending at the first stop token drawn, and
+post-processes them in turn: the same tokens, log-probs and stops, with the Python around a step
+paid once per burst.
 Around it sit the RL controls the trainer needs and a serving engine usually hides:
 - every output token carries its behaviour log-prob (sampler.py says exactly which
   distribution) and the policy version that produced it;
@@ -165,7 +166,7 @@ class NativeEngine(Engine):
         batch = self.scheduler.schedule()
         sampled: dict[int, tuple[int, float]] = {}
         burst = self._burst_steps(batch)
-        if burst > 1:  # several decode steps in one compiled call, their stops checked after, step by step
+        if burst > 1:  # several decode steps in one compiled call, up to the first stop token drawn
             finished = self._run_burst(batch, burst)
         else:
             if batch.seqs:
@@ -320,7 +321,8 @@ class NativeEngine(Engine):
 
     # ------------------------------------------------------------ helpers
     def _burst_steps(self, batch: ScheduledBatch) -> int:
-        """How many decode steps the batch runs in one compiled call (1: a step as usual). A burst needs every
+        """How many decode steps the batch may run in one compiled call (it ends sooner at a stop token drawn; 1: a
+        step as usual). A burst needs every
         running sequence decoding with the compiled draw (temperature > 0, no top-k/top-p), none waiting to be
         admitted, blocks for all its steps, and no sequence reaching its max_new_tokens before its last step; it
         stops at engine.decode_burst steps, so a weight update or an interrupt waits at most that many."""
@@ -338,15 +340,15 @@ class NativeEngine(Engine):
         return steps if self.scheduler.reserve_ahead(batch, steps) else 1
 
     def _run_burst(self, batch: ScheduledBatch, steps: int) -> list[Sequence]:
-        """`steps` decode steps of the batch in one call, each row drawn at its own counter (`sampler.uniform`),
-        then post-processed step by step; returns the sequences that finished."""
+        """Up to `steps` decode steps of the batch in one call, each row drawn at its own counter
+        (`sampler.uniform`), then post-processed step by step; returns the sequences that finished."""
         started = time.perf_counter()
         draws = [[uniform(seq.seed, seq.num_output_tokens + j) for j in range(steps)] for seq in batch.seqs]
         drawn = self.runner.run_burst(batch, steps, draws, [seq.params.temperature for seq in batch.seqs])
         before = sum(seq.num_output_tokens for seq in batch.seqs)
         finished = self.scheduler.postprocess_burst(batch, drawn, self.version)
-        generated = sum(seq.num_output_tokens for seq in batch.seqs) - before  # none past a stop
-        self.num_computed_tokens += steps * len(batch)
+        generated = sum(seq.num_output_tokens for seq in batch.seqs) - before
+        self.num_computed_tokens += len(drawn) * len(batch)
         self.num_generated_tokens += generated
         self._rate.append((generated, time.perf_counter() - started))
         return finished

@@ -144,6 +144,7 @@ class DecodeBurst:
     slots: torch.Tensor  # [steps, T] int64, row 0 the first step's slot_mapping
     draws: list[float]  # steps * T uniforms in (0, 1] (sampler.uniform), step by step
     temperatures: list[float]  # [T], each above 0
+    stops: list[frozenset[int]]  # [T]: the tokens that end each row's sequence (the burst ends at the first drawn)
 
 
 # ---------------------------------------------------------------- modules
@@ -425,10 +426,11 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def decode_burst(self, step: StepInputs, kv_cache: torch.Tensor,
                      burst: DecodeBurst) -> tuple[list[int], list[float]]:
-        """burst.slots.shape[0] decode steps of the same sequences in one compiled call, from `step` (one-token
+        """Up to burst.slots.shape[0] decode steps of the same sequences in one compiled call, from `step` (one-token
         decodes whose every token samples, `bursts` true for them): each step's tokens drawn from its logits over
-        burst's draws, as the sampler's compiled draw does it, and fed to the next step (cpu_decode's
-        `decode_burst`). Returns the tokens and log-probs, step by step, in step's row order."""
+        burst's draws, as the sampler's compiled draw does it, and fed to the next step, until a row draws one of
+        its stops (cpu_decode's `decode_burst`). Returns the tokens and log-probs of the steps run, step by step, in
+        step's row order."""
         x = self.embed.index_select(0, step.input_ids)  # [T, hidden]
         compiled = self.compiled(x.dtype, x.device)
         steps = burst.slots.shape[0]
@@ -439,10 +441,11 @@ class CausalLM(nn.Module):
         if inputs is None or not step.every_token_samples:
             raise ValueError("decode_burst: the compiled whole-layer decode does not serve this step (see `bursts`)")
         layers, head, scratch = self._compiled_call(inputs, compiled, x, kv_cache)
-        drawn = compiled.decode_burst(x, layers, inputs, scratch, head, self.embed, burst.temperatures, burst.slots,
-                                      burst.draws)
-        self._observe_decode(step, compiled, x.dtype, (time.perf_counter() - started) / steps, head=True)
-        return drawn
+        tokens, logps = compiled.decode_burst(x, layers, inputs, scratch, head, self.embed, burst.temperatures,
+                                              burst.slots, burst.draws, burst.stops)
+        steps_run = len(tokens) // len(step.input_ids)
+        self._observe_decode(step, compiled, x.dtype, (time.perf_counter() - started) / steps_run, head=True)
+        return tokens, logps
 
     def _compiled_call(self, inputs: cpu_decode.DecodeStep, compiled: CpuDecode, x: torch.Tensor,
                        kv_cache: torch.Tensor, head: bool = True) -> tuple[ctypes.Array, cpu_decode.DecodeHead | None,

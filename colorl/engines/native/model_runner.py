@@ -126,9 +126,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run_burst(self, batch: ScheduledBatch, steps: int, draws: list[list[float]],
                   temperatures: list[float]) -> list[dict[int, tuple[int, float]]]:
-        """`steps` decode steps of a batch of one-token decodes in one call (`CausalLM.decode_burst`), whose blocks
-        hold all of them (`Scheduler.reserve_ahead`). draws[i][j]: batch item i's uniform at step j; temperatures[i]
-        its temperature. Returns, step by step, batch index -> (token, log-prob)."""
+        """Up to `steps` decode steps of a batch of one-token decodes in one call (`CausalLM.decode_burst`), whose
+        blocks hold all of them (`Scheduler.reserve_ahead`), ending at the first step at which a sequence draws one
+        of its stop tokens. draws[i][j]: batch item i's uniform at step j; temperatures[i] its temperature. Returns,
+        for each step run, batch index -> (token, log-prob)."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not allocated (engine asleep?)")
         step, rows = self.prepare(batch, ahead=steps - 1)
@@ -136,12 +137,11 @@ class ModelRunner:
         slots = [[batch.seqs[i].block_table[(batch.starts[i] + j) // size] * size + (batch.starts[i] + j) % size
                   for i in rows] for j in range(steps)]
         burst = DecodeBurst(slots=self._tensor(slots), draws=[draws[i][j] for j in range(steps) for i in rows],
-                            temperatures=[temperatures[i] for i in rows])
+                            temperatures=[temperatures[i] for i in rows], stops=[batch.seqs[i].stop_ids for i in rows])
         step.slot_mapping = burst.slots[0]  # the same slots, in the burst's tensor (its row 0)
         tokens, logps = self.model.decode_burst(step, self.kv_cache, burst)
         count = len(rows)
-        return [dict(zip(rows, zip(tokens[j * count:(j + 1) * count], logps[j * count:(j + 1) * count])))
-                for j in range(steps)]
+        return [dict(zip(rows, zip(tokens[j:j + count], logps[j:j + count]))) for j in range(0, len(tokens), count)]
 
     def prepare(self, batch: ScheduledBatch, ahead: int = 0) -> tuple[StepInputs, list[int]]:
         """The step's tensors, and the batch index of each row that samples; ahead: steps after this one that the

@@ -288,8 +288,8 @@ class Scheduler:
     def postprocess_burst(self, batch: ScheduledBatch, steps: list[dict[int, tuple[int, float]]],
                           version: int) -> list[Sequence]:
         """`postprocess` for each step of a burst in turn (`reserve_ahead`): after the first, the batch's sequences
-        still running decode one token each, as `schedule` would have scheduled them; what a sequence that stopped
-        computed past its end is dropped with it."""
+        decode one token each, as `schedule` would have scheduled them (a burst ends at the step where one of them
+        stops, and before the max_new_tokens of any)."""
         finished = self.postprocess(batch, steps[0], version)
         for sampled in steps[1:]:
             step, on = ScheduledBatch(), {}
