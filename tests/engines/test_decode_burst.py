@@ -9,7 +9,7 @@ from colorl.config import EngineConfig
 from colorl.engines.base import GenerationRequest, SamplingParams
 from colorl.engines.native import NativeEngine, cpu_decode
 from colorl.engines.native.block_manager import BlockManager
-from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence
+from colorl.engines.native.scheduler import ScheduledBatch, Scheduler, Sequence, Status
 from colorl.models import save_tiny_model
 
 
@@ -35,8 +35,8 @@ def bursts(monkeypatch):
 
 
 def run(folder, dtype, burst: int, requests: list[GenerationRequest], **cfg):
-    engine = NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4, max_prefill_tokens=64, decode_burst=burst,
-                                               **cfg), dtype=dtype)
+    cfg = {"num_blocks": 64, "block_size": 4, "max_prefill_tokens": 64, **cfg}
+    engine = NativeEngine(folder, EngineConfig(decode_burst=burst, **cfg), dtype=dtype)
     return engine, {r.request_id: r for r in engine.generate(requests)}
 
 
@@ -92,8 +92,9 @@ def test_a_burst_samples_what_one_step_per_call_samples(compiled, bursts, tmp_pa
 
 
 def test_steps_that_a_burst_cannot_run_run_one_per_call(every_row_count, bursts, tiny_model_dir, monkeypatch):
-    """Rows drawn by torch's sampler (top-p, greedy), requests waiting to be admitted, and a pool without blocks
-    for every step of a burst: one step per call, the same results as with bursts off."""
+    """Rows drawn by torch's sampler (top-p, greedy), a request waiting for blocks with room among max_num_seqs,
+    and a pool without blocks for every step of a burst: one step per call, the same results as with bursts off.
+    A request waiting only for room among max_num_seqs does not stop bursts (a finish ends them)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     nucleus = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, ignore_eos=True, seed=1)
     for params in (greedy, nucleus):
@@ -106,17 +107,28 @@ def test_steps_that_a_burst_cannot_run_run_one_per_call(every_row_count, bursts,
                                                                          ignore_eos=True)) for i in range(3)]
     waiting = []
     burst_steps = NativeEngine._burst_steps
-    monkeypatch.setattr(NativeEngine, "_burst_steps", lambda self, batch: waiting.append(len(self.scheduler.waiting))
-                        or burst_steps(self, batch))
+
+    def watched(self, batch):
+        steps = burst_steps(self, batch)
+        waiting.append((len(self.scheduler.waiting), len(self.scheduler.running), steps))
+        return steps
+
+    monkeypatch.setattr(NativeEngine, "_burst_steps", watched)
     bursts.clear()
-    _, on = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=2)
-    _, off = run(tiny_model_dir, torch.float32, 1, plain, max_num_seqs=2)
-    same_results(on, off)
-    assert bursts and waiting[:9] == [1] * 9  # the third request waited through the first nine steps, one per call
+    _, on = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=2)  # the third waits for room
+    _, two_places = run(tiny_model_dir, torch.float32, 1, plain, max_num_seqs=2)
+    same_results(on, two_places)
+    assert (1, 2, 8) in waiting  # a burst while the third waited for one of the two places
+    for blocks in (6, 7):  # 4 tokens a block: the third waits for blocks, with a place free among 3
+        waiting.clear()
+        _, on = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=3, num_blocks=blocks)
+        _, off = run(tiny_model_dir, torch.float32, 1, plain, max_num_seqs=3, num_blocks=blocks)
+        same_results(on, off)
+        assert any(w == 1 for w, _, _ in waiting) and all(steps == 1 for w, _, steps in waiting if w)
     monkeypatch.setattr(Scheduler, "reserve_ahead", lambda self, batch, steps: False)  # no blocks to spare
     bursts.clear()
     _, tight = run(tiny_model_dir, torch.float32, 8, plain, max_num_seqs=2)
-    same_results(tight, off)
+    same_results(tight, two_places)
     assert bursts == []
 
 
@@ -132,6 +144,14 @@ def test_reserving_a_burst_takes_every_block_or_none():
     assert blocks.num_free_blocks == 2 and [len(s.block_table) for s in batch.seqs] == [2, 2]
     assert scheduler.reserve_ahead(batch, 6)  # 1 more each
     assert blocks.num_free_blocks == 0 and [len(s.block_table) for s in batch.seqs] == [3, 3]
+    for seq in batch.seqs:
+        seq.status = Status.RUNNING
+        scheduler.running.append(seq)
+    batch.seqs[0].stop_ids = frozenset({99})
+    finished = scheduler.postprocess_burst(batch, [{0: (5, -1.0), 1: (5, -1.0)}, {0: (99, -1.0), 1: (6, -1.0)}],
+                                           version=0)  # a stop at the second of six steps
+    assert finished == [batch.seqs[0]] and batch.seqs[1].num_computed_tokens == 8
+    assert len(batch.seqs[1].block_table) == 2 and blocks.num_free_blocks == 4  # as after two single steps
 
 
 def test_a_bad_slot_later_in_a_burst_raises(every_row_count, compiled, tiny_model_dir, monkeypatch):

@@ -322,11 +322,15 @@ class NativeEngine(Engine):
     # ------------------------------------------------------------ helpers
     def _burst_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps the batch may run in one compiled call (it ends sooner at a stop token drawn; 1: a
-        step as usual). A burst needs every
-        running sequence decoding with the compiled draw (temperature > 0, no top-k/top-p), none waiting to be
-        admitted, blocks for all its steps, and no sequence reaching its max_new_tokens before its last step; it
-        stops at engine.decode_burst steps, so a weight update or an interrupt waits at most that many."""
-        if self.decode_burst < 2 or not batch.seqs or self._pending or self.scheduler.waiting or batch.preempted:
+        step as usual). A burst needs every running sequence decoding with the compiled draw (temperature > 0, no
+        top-k/top-p), blocks for all its steps, and no sequence reaching its max_new_tokens before its last step; it
+        stops at engine.decode_burst steps, so a weight update or an interrupt waits at most that many. Requests
+        may wait only for a place among max_num_seqs: no step before a sequence finishes (which ends the burst)
+        could admit them, while one waiting for blocks might be admitted by the next step, whose blocks the burst
+        would take."""
+        if self.decode_burst < 2 or not batch.seqs or self._pending or batch.preempted:
+            return 1
+        if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
             return 1
         if len(batch) != len(self.scheduler.running) or not all(n == 1 for n in batch.num_tokens):
             return 1

@@ -299,6 +299,11 @@ class Scheduler:
                     on[i] = len(step)
                     step.add(seq, 1)
             finished += self.postprocess(step, {on[i]: drawn for i, drawn in sampled.items() if i in on}, version)
+        for seq in batch.seqs:  # a burst a stop ended early: the blocks reserved past it go back, as if never taken
+            if seq.status is Status.RUNNING:
+                keep = self.blocks.blocks_for(seq.num_computed_tokens)
+                self.blocks.free(seq.block_table[keep:])
+                del seq.block_table[keep:]
         return finished
 
     @staticmethod
