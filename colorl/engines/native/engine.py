@@ -164,11 +164,11 @@ class NativeEngine(Engine):
         self._check_weights("generate")
         results, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        sampled: dict[int, tuple[int, float]] = {}
         burst = self._burst_steps(batch)
         if burst > 1:  # several decode steps in one compiled call, up to the first stop token drawn
             finished = self._run_burst(batch, burst)
         else:
+            sampled: dict[int, tuple[int, float]] = {}
             if batch.seqs:
                 started = time.perf_counter()
                 logits, rows = self.runner.run(batch)  # [N, V], batch index of each row
@@ -348,7 +348,7 @@ class NativeEngine(Engine):
         (`sampler.uniform`), then post-processed step by step; returns the sequences that finished."""
         started = time.perf_counter()
         draws = [[uniform(seq.seed, seq.num_output_tokens + j) for j in range(steps)] for seq in batch.seqs]
-        drawn = self.runner.run_burst(batch, steps, draws, [seq.params.temperature for seq in batch.seqs])
+        drawn = self.runner.run_burst(batch, steps, draws)
         before = sum(seq.num_output_tokens for seq in batch.seqs)
         finished = self.scheduler.postprocess_burst(batch, drawn, self.version)
         generated = sum(seq.num_output_tokens for seq in batch.seqs) - before

@@ -124,20 +124,19 @@ class ModelRunner:
         return self.model(step, self.kv_cache), sampling
 
     @torch.inference_mode()
-    def run_burst(self, batch: ScheduledBatch, steps: int, draws: list[list[float]],
-                  temperatures: list[float]) -> list[dict[int, tuple[int, float]]]:
+    def run_burst(self, batch: ScheduledBatch, steps: int,
+                  draws: list[list[float]]) -> list[dict[int, tuple[int, float]]]:
         """Up to `steps` decode steps of a batch of one-token decodes in one call (`CausalLM.decode_burst`), whose
         blocks hold all of them (`Scheduler.reserve_ahead`), ending at the first step at which a sequence draws one
-        of its stop tokens. draws[i][j]: batch item i's uniform at step j; temperatures[i] its temperature. Returns,
-        for each step run, batch index -> (token, log-prob)."""
+        of its stop tokens. draws[i][j]: batch item i's uniform at step j. Returns, for each step run, batch index
+        -> (token, log-prob)."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not allocated (engine asleep?)")
         step, rows = self.prepare(batch, ahead=steps - 1)
-        size = self.block_size
-        slots = [[batch.seqs[i].block_table[(batch.starts[i] + j) // size] * size + (batch.starts[i] + j) % size
-                  for i in rows] for j in range(steps)]
+        seqs = [batch.seqs[i] for i in rows]
+        slots = [[self._slot(seq.block_table, batch.starts[i] + j) for i, seq in zip(rows, seqs)] for j in range(steps)]
         burst = DecodeBurst(slots=self._tensor(slots), draws=[draws[i][j] for j in range(steps) for i in rows],
-                            temperatures=[temperatures[i] for i in rows], stops=[batch.seqs[i].stop_ids for i in rows])
+                            temperatures=[seq.params.temperature for seq in seqs], stops=[seq.stop_ids for seq in seqs])
         step.slot_mapping = burst.slots[0]  # the same slots, in the burst's tensor (its row 0)
         tokens, logps = self.model.decode_burst(step, self.kv_cache, burst)
         count = len(rows)
@@ -161,7 +160,6 @@ class ModelRunner:
         if prefills:
             groups_of_items.append(prefills)
 
-        size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -175,7 +173,7 @@ class ModelRunner:
                 table = seq.block_table
                 input_ids.extend(seq.token_ids[first:first + n])
                 positions.extend(range(first, first + n))
-                slots.extend(table[p // size] * size + p % size for p in range(first, first + n))
+                slots.extend(self._slot(table, p) for p in range(first, first + n))
                 if batch.sample[i]:
                     logit_rows.append(len(input_ids) - 1)
                     sampling.append(i)
@@ -234,6 +232,10 @@ class ModelRunner:
             start=start, end=end, batch=len(items), q_len=q_len, kv_len=kv_len, q_pad_index=q_pad_index,
             kv_slots=kv_slots.reshape(-1).to(self.device), mask=mask[:, None].to(self.device),
         )
+
+    def _slot(self, table: list[int], position: int) -> int:
+        """The KV cache slot of a sequence's token at `position`, through its block table."""
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         made = torch.tensor(values, dtype=torch.long)

@@ -277,13 +277,9 @@ class Scheduler:
     def reserve_ahead(self, batch: ScheduledBatch, steps: int) -> bool:
         """Blocks for `steps` tokens of every sequence of a batch of one-token decodes (a burst, whose first step
         `schedule` reserved), all or none: False, and nothing taken, when the pool has too few free."""
-        needed = [self.blocks.blocks_for(seq.num_computed_tokens + steps) - len(seq.block_table) for seq in batch.seqs]
-        if not self.blocks.can_allocate(sum(n for n in needed if n > 0)):
+        if not self.blocks.can_allocate(sum(self._blocks_needed(seq, steps) for seq in batch.seqs)):
             return False
-        for seq, n in zip(batch.seqs, needed):
-            if n > 0:
-                seq.block_table.extend(self.blocks.allocate(n))
-        return True
+        return all([self._reserve(seq, steps) for seq in batch.seqs])  # each fits: the total did
 
     def postprocess_burst(self, batch: ScheduledBatch, steps: list[dict[int, tuple[int, float]]],
                           version: int) -> list[Sequence]:
@@ -315,9 +311,13 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------ blocks
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """The blocks seq must still take to hold its next n tokens."""
+        return max(0, self.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
+
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make sure seq has blocks for its next n tokens (check beside the allocation it guards)."""
-        needed = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        needed = self._blocks_needed(seq, n)
         if needed <= 0:
             return True
         if not self.blocks.can_allocate(needed):
