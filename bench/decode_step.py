@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine import QUESTIONS, make_engine  # bench/
+from engine import QUESTIONS, make_engine, timed_call  # bench/
 from limits import MemoryReader  # bench/
 from machine import cpu_model  # bench/
 
@@ -111,10 +111,8 @@ def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sample
         engine.step()  # prefill
         steps = []
         while engine.has_unfinished():
-            computed, started = engine.num_computed_tokens, time.perf_counter()
-            engine.step()
-            count = (engine.num_computed_tokens - computed) // batch  # decode steps in the call
-            steps += [(time.perf_counter() - started) / count] * count
+            seconds, count = timed_call(engine, batch)
+            steps += [seconds] * count
     finally:
         engine.model.forward, engine.sampler, engine.runner.prepare = model_forward, sampler, prepare
         engine.decode_burst = bursts

@@ -3,10 +3,10 @@
     python bench/engine.py                  # both workloads, both engines, decode floor (~5 min)
     python bench/engine.py --quick          # 4 prompts x 2 samples, mean 32: a smoke run
     .venv-vllm/bin/python bench/engine.py --engines native,vllm --threads 2 --split
-    python bench/engine.py --engines native,native-stepwise --floor-rounds 0
-                                            # bursts of decode steps against one step per call
                                             # against vLLM's CPU build (colorl's adapter, in process,
                                             # eager; --vllm-compiled: its default torch.compile set-up)
+    python bench/engine.py --engines native,native-stepwise --floor-rounds 0
+                                            # bursts of decode steps against one step per call
 
 Workloads (8 prompts x 4 samples, temperature 1, top-p 1, a GRPO rollout batch):
 - long_tail: `ignore_eos`, each request's max_new_tokens drawn from the capped lognormal of
@@ -22,8 +22,9 @@ so step time >= (weight bytes + KV bytes) / memory bandwidth, with the bandwidth
 bench/limits.py). The ratio step / floor says how far the native decode step is from memory-bound
 ideal at batch 1, 8 and 32. The engine runs its decode steps in bursts (engine.decode_burst, 8 by default:
 one compiled call each); each call is followed by one reading of the bandwidth, and each of its steps takes the
-call's time over its steps and is judged against that reading; a round's ratio is the median over its steps (--floor-rounds, default 5, interleaved over
-the batches), and the verdict is the median of the rounds' ratios, with their range.
+call's time over its steps and is judged against that reading; a round's ratio is the median over its steps
+(--floor-rounds, default 5, interleaved over the batches), and the verdict is the median of the rounds' ratios,
+with their range.
 
 With --split each rollout also runs once more under torch.profiler, and the decode time is split
 by what the operators do (products, attention, KV writes, elementwise, sampling; the rest of the
@@ -117,6 +118,15 @@ def make_engine(name: str, model_dir: Path, dtype: torch.dtype, vllm_compiled: b
 
 
 STEPWISE = "native-stepwise"  # the native engine with one decode step per call (engine.decode_burst: 1)
+
+
+def timed_call(engine, batch: int) -> tuple[float, int]:
+    """One `engine.step()` of `batch` decoding sequences: seconds per decode step, and the decode steps it ran (a
+    burst's, engine.decode_burst)."""
+    computed, started = engine.num_computed_tokens, time.perf_counter()
+    engine.step()
+    count = (engine.num_computed_tokens - computed) // batch
+    return (time.perf_counter() - started) / count, count
 
 
 def rss_bytes() -> int:
@@ -242,9 +252,9 @@ def worker_floor(args) -> dict:
 
     A shared machine's bandwidth moves by half between minutes (10.5 to 15.9 GB/s here) and a step's time by
     a fifth between seconds, so each engine call (a burst of decode steps) is followed by one reading of the read
-    rate (MemoryReader.once, about a step's time) and its steps are judged against the floor of that reading; a round's ratio is the median over its
-    steps, the rounds are interleaved over the batches, and the verdict is the median of the rounds' ratios
-    (each round's kept). The matmul rate is measured just before each round of the batch it judges."""
+    rate (MemoryReader.once, about a step's time) and its steps are judged against the floor of that reading; a
+    round's ratio is the median over its steps, the rounds are interleaved over the batches, and the verdict is
+    the median of the rounds' ratios (each round's kept). The matmul rate is measured just before each round of the batch it judges."""
     import statistics
 
     from colorl.engines.base import GenerationRequest, SamplingParams
@@ -272,11 +282,9 @@ def worker_floor(args) -> dict:
             engine.step()  # prefill
             steps, readings = [], []
             while engine.has_unfinished():
-                computed, started = engine.num_computed_tokens, time.perf_counter()
-                engine.step()  # a burst of decode steps in one call where the engine runs them (engine.decode_burst)
-                seconds, reading = time.perf_counter() - started, reader.once()
-                count = (engine.num_computed_tokens - computed) // batch  # decode steps in the call
-                steps += [seconds / count] * count
+                seconds, count = timed_call(engine, batch)
+                reading = reader.once()
+                steps += [seconds] * count
                 readings += [reading] * count
             steps, readings = steps[8:], readings[8:]  # the first burst's steps: a warm-up
             floor_bytes = weight_bytes + batch * context * kv_per_token
