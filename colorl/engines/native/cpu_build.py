@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_decode_loops.h", "cpu_decode_kpairs.h"))  # included by SOURCE
+HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_decode_team.h", "cpu_decode_loops.h", "cpu_decode_kpairs.h"))  # included by SOURCE
 COMPILE_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-std=gnu11")
 ARCHES = ("x86_64", "amd64", "aarch64", "arm64")
 OPENMP_NAMES = ("libgomp", "libiomp5", "libomp")

@@ -17,6 +17,8 @@
 #define COLORL_NO_MEMORY (-2)
 #define COLORL_OUT_OF_RANGE (-3)
 
+#include "cpu_decode_team.h"
+
 /* Eight lanes of float32, and, with AVX-512, sixteen (one register). The element-wise loops (the SiLU, the e^x of
  * the softmax and the sampler, attention's sums of values, bf16's widening) run on the widest vector the build has,
  * vwide (WIDE lanes): on AVX-512 half the instructions per value, and each lane's value is the 8-lane loop's (the
@@ -275,28 +277,24 @@ typedef void (*rows_fn)(const float *, const float *, const float *, float *, in
                         int64_t);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-/* Runs `each(n0, n1)` over [0, N) split in one contiguous share per thread (one weight stream
- * each), or whole on the caller's thread when one thread or a small N would not repay a team. */
-#define SHARE_ROWS(N, threads, each)                                                               \
-    do {                                                                                           \
-        if ((threads) <= 1 || (N) < 64) {                                                          \
-            int64_t n0 = 0, n1 = (N);                                                              \
-            each;                                                                                  \
-        } else {                                                                                   \
-            _Pragma("omp parallel num_threads(threads)") {                                         \
-                int64_t nt = omp_get_num_threads(), chunk = ((N) + nt - 1) / nt;                   \
-                int64_t n0 = omp_get_thread_num() * chunk, n1 = n0 + chunk < (N) ? n0 + chunk : (N); \
-                if (n0 < n1) each;                                                                 \
-            }                                                                                      \
-        }                                                                                          \
-    } while (0)
+/* result = 0 after `each` ran over [n0, n1) of [0, N) split in one contiguous share per thread (one weight stream
+ * each), or whole on one thread when one thread or a small N would not repay a team (ON_TEAM); `refused` instead
+ * where a thread's share cannot run (its memory). */
+#define SHARE_ROWS(result, N, threads, refused, each)                                              \
+    ON_TEAM(result, (threads) > 1 && (N) >= 64 ? (threads) : 1, ({                                 \
+                int64_t chunk = ((N) + nt - 1) / nt, n0 = id * chunk;                              \
+                int64_t n1 = n0 + chunk < (N) ? n0 + chunk : (N);                                  \
+                if (!(refused) && n0 < n1) each;                                                   \
+                (refused) ? COLORL_NO_MEMORY : 0;                                                  \
+            }))
 
 int colorl_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t B, int64_t N,
                   int64_t K, int threads) {
     if (B < 1 || B > 8) return COLORL_BAD_ROWS;
     rows_fn kernel = ROWS[B];
-    SHARE_ROWS(N, threads, kernel(x, w, bias, y, N, K, n0, n1));
-    return 0;
+    int code;
+    SHARE_ROWS(code, N, threads, 0, kernel(x, w, bias, y, N, K, n0, n1));
+    return code;
 }
 
 /* ---------------------------------------------------------------- products in bfloat16
@@ -480,9 +478,8 @@ int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
     if (B < 1 || B > 8) return COLORL_BAD_ROWS;
     float *xeo = NULL;
     if (!HAVE_DPBF16) { /* the even/odd layout of x's whole 16-value chunks */
-        xeo = malloc(sizeof(float) * B * K);
-        if (!xeo) return COLORL_NO_MEMORY;
-        for (int64_t b = 0; b < B; b++)
+        xeo = malloc(sizeof(float) * B * K); /* each thread's own inside a step (cpu_decode_team.h) */
+        for (int64_t b = 0; xeo && b < B; b++)
             for (int64_t c = 0; c + 16 <= K; c += 16)
                 for (int i = 0; i < 8; i++) {
                     xeo[b * K + c + i] = bf16_to_float(x[b * K + c + 2 * i]);
@@ -490,9 +487,10 @@ int colorl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
                 }
     }
     rows_bf16_fn kernel = ROWS_BF16[B];
-    SHARE_ROWS(N, threads, kernel(x, xeo, w, bias, y, N, K, n0, n1));
+    int code;
+    SHARE_ROWS(code, N, threads, !HAVE_DPBF16 && !xeo, kernel(x, xeo, w, bias, y, N, K, n0, n1));
     free(xeo);
-    return 0;
+    return code;
 }
 
 /* ---------------------------------------------------------------- paged decode attention
@@ -747,25 +745,22 @@ static int64_t sample_row(const float *z, int64_t V, double u, float *weights, f
     return token;
 }
 
+/* Rows id, id + nt, ... of colorl_sample_plain's, on one thread of its team (cpu_decode_team.h). */
+static int sample_rows(const float *z, int64_t N, int64_t V, const double *u, int64_t *tokens, float *logps, int id,
+                       int nt) {
+    if (id >= N) return 0;
+    float *weights = thread_scratch(V + 1 + 2 * ((V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK)); /* then the chunks' totals */
+    if (!weights) return COLORL_NO_MEMORY;
+    for (int64_t row = id; row < N; row += nt) tokens[row] = sample_row(z + row * V, V, u[row], weights, logps + row);
+    return 0;
+}
+
 int colorl_sample_plain(const float *z, int64_t N, int64_t V, const double *u, int64_t *tokens, float *logps,
                         int threads) {
     if (V < 1) return COLORL_OUT_OF_RANGE;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && N > 1)
-    {
-        /* the row's weights, then its chunks' running totals */
-        float *weights = thread_scratch(V + 1 + 2 * ((V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK));
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < N; row++) {
-            if (!weights) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            tokens[row] = sample_row(z + row * V, V, u[row], weights, logps + row);
-        }
-    }
-    return failed ? COLORL_NO_MEMORY : 0;
+    int code;
+    ON_TEAM(code, threads > 1 && N > 1 ? threads : 1, sample_rows(z, N, V, u, tokens, logps, id, nt));
+    return code;
 }
 
 static inline v8 bf16_load8(const uint16_t *p) { /* 8 bf16 -> 8 float32, exactly */

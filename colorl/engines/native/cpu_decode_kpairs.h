@@ -112,45 +112,48 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
             kpairs_sums(xt, wp, K2, R, first, 1, c);                                               \
         break;
 
-/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units: each thread one contiguous
- * run of pairs of panels, streamed once (the first tile of rows asks for them ahead; the others re-read
- * the pair, 18 KB at K = 576, from L1/L2). */
+/* One thread's share (id of nt, cpu_decode_team.h) of kpairs_fma_bf16: x's k-pairs laid out into xp with the
+ * others, then its own contiguous run of pairs of panels, streamed once (the first tile of rows asks for them
+ * ahead; the others re-read the pair, 18 KB at K = 576, from L1/L2). */
+static int kpairs_fma_share(const uint16_t *x, uint32_t *xp, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                            int64_t B, int64_t N, int64_t K, int id, int nt) {
+    int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+    for (int64_t j = 64 * id; j < K2; j += 64 * nt) /* tile by tile from row b0: [K2, R] */
+        for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0))
+            kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0), j, j + 64 < K2 ? j + 64 : K2);
+    team_barrier(nt); /* each thread reads the whole of x */
+    int64_t share = (pairs + nt - 1) / nt, q0 = id * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+    for (int64_t q = q0; q < q1; q++) {
+        const uint16_t *wp = panels + q * kpairs_pair_size(K);
+        int64_t n0 = 2 * q * PANEL, widths[2];
+        float bv[2][PANEL];
+        pair_bias_bf16(bias, N, n0, widths, bv);
+        for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) {
+            int64_t R = KPAIR_ROWS(B, B - b0);
+            int first = b0 == 0; /* the first tile streams the pair, ahead */
+            const uint32_t *xt = xp + b0 * K2;
+            __m512 c[KPAIR_TILE];
+            switch (R) { /* one copy of the loop per row count, its sums in registers */
+            KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
+            KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) KPAIRS_TILE_CASE(8)
+            default: kpairs_sums(xt, wp, K2, KPAIR_TILE, first, 1, c);
+            }
+            kpairs_store(c, R, y, B, N, b0, n0, widths, bv);
+        }
+    }
+    return 0;
+}
+
+/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units. */
 static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
                            int64_t N, int64_t K, int threads) {
     int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL), packed = 0;
     for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) packed += KPAIR_ROWS(B, B - b0);
-    uint32_t *xp = malloc(sizeof(uint32_t) * packed * K2); /* tile by tile from row b0: [K2, R] */
-    if (!xp) return COLORL_NO_MEMORY;
-    int team = threads > 1 && pairs >= (B <= 8 ? 8 : 2) * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t j = 0; j < K2; j += 64)
-            for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0))
-                kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0), j, j + 64 < K2 ? j + 64 : K2);
-        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
-        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
-        for (int64_t q = q0; q < q1; q++) {
-            const uint16_t *wp = panels + q * kpairs_pair_size(K);
-            int64_t n0 = 2 * q * PANEL, widths[2];
-            float bv[2][PANEL];
-            pair_bias_bf16(bias, N, n0, widths, bv);
-            for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) {
-                int64_t R = KPAIR_ROWS(B, B - b0);
-                int first = b0 == 0; /* the first tile streams the pair, ahead */
-                const uint32_t *xt = xp + b0 * K2;
-                __m512 c[KPAIR_TILE];
-                switch (R) { /* one copy of the loop per row count, its sums in registers */
-                KPAIRS_TILE_CASE(1) KPAIRS_TILE_CASE(2) KPAIRS_TILE_CASE(3) KPAIRS_TILE_CASE(4)
-                KPAIRS_TILE_CASE(5) KPAIRS_TILE_CASE(6) KPAIRS_TILE_CASE(7) KPAIRS_TILE_CASE(8)
-                default: kpairs_sums(xt, wp, K2, KPAIR_TILE, first, 1, c);
-                }
-                kpairs_store(c, R, y, B, N, b0, n0, widths, bv);
-            }
-        }
-    }
-    free(xp);
-    return 0;
+    int own, code, team = threads > 1 && pairs >= (B <= 8 ? 8 : 2) * threads ? threads : 1;
+    uint32_t *xp = team_buffer(sizeof(uint32_t) * packed * K2, &own);
+    ON_TEAM(code, team, xp ? kpairs_fma_share(x, xp, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
+    if (own) free(xp);
+    return code;
 }
 
 /* ---------------------------------------------------------------- bf16 attention's scores in k-pairs
@@ -240,77 +243,81 @@ static void amx_configure(void) { /* eight tiles of 16 rows x 64 bytes, for this
     }
 #define AMX_STORE(t)                                                                               \
     if (blocks > t) _tile_stored(t, sums + t * 256, 64);
-/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on AMX: x laid out once per call in 16-row
- * blocks of tiles ([B/16, K/32, 16, 32], zero-padded); each thread streams its run of pairs of panels once
- * (the first AMX_BLOCKS row blocks read it from memory, any later ones from L2). */
-static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
-                           int64_t N, int64_t K, int threads) {
+/* One thread's share (id of nt) of amx_panels_bf16: x laid out with the others in 16-row blocks of tiles, then its
+ * own run of pairs of panels, streamed once (the first AMX_BLOCKS row blocks read it from memory, any later ones
+ * from L2). */
+static int amx_share(const uint16_t *x, uint16_t *xa, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                     int64_t B, int64_t N, int64_t K, int id, int nt) {
     int64_t K2 = (K + 1) / 2, K32 = (K + 31) / 32, whole = K2 / 16, RB = (B + 15) / 16;
     int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
-    uint16_t *xa = aligned_alloc(64, (size_t)RB * K32 * 512 * sizeof(uint16_t));
-    if (!xa) return COLORL_NO_MEMORY;
-    int failed = 0, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-#pragma omp for collapse(2) schedule(static) /* the threads lay out x together, then each waits for the whole */
-        for (int64_t rb = 0; rb < RB; rb++)
-            for (int64_t kb = 0; kb < K32; kb++)
-                for (int64_t r = 0; r < 16; r++) {
-                    uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
-                    int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
-                    if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
-                    if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
-                }
-        uint16_t *tail = aligned_alloc(64, 512 * sizeof(uint16_t)); /* a partial last weight tile, zero-padded */
-        float *sums = aligned_alloc(64, AMX_BLOCKS * 256 * sizeof(float));
-        if (!tail || !sums) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_configure();
-            int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
-            int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
-            for (int64_t q = q0; q < q1; q++) {
-                const uint16_t *wp = panels + q * kpairs_pair_size(K);
-                if (whole < K32) {
-                    memset(tail, 0, 512 * sizeof(uint16_t));
-                    memcpy(tail, wp + whole * 512, (K2 - whole * 16) * 32 * sizeof(uint16_t));
-                }
-                int64_t n0 = 2 * q * PANEL, widths[2];
-                float bv[2][PANEL];
-                pair_bias_bf16(bias, N, n0, widths, bv);
-                for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
-                    int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2);
-                    for (int64_t kb = 0; kb < K32; kb++) {
-                        if (first == 0) /* the stream, AMX_TILE_AHEAD tiles on (into the next pair at the end) */
-                            for (int line = 0; line < 16; line++)
-                                __builtin_prefetch(wp + (kb + AMX_TILE_AHEAD) * 512 + line * 32, 0, 2);
-                        if (kb & 1) {
-                            _tile_loadd(7, kb < whole ? wp + kb * 512 : tail, 64);
-                            AMX_DOT(0, 3, 7) AMX_DOT(1, 4, 7) AMX_DOT(2, 5, 7)
-                        } else {
-                            _tile_loadd(6, kb < whole ? wp + kb * 512 : tail, 64);
-                            AMX_DOT(0, 3, 6) AMX_DOT(1, 4, 6) AMX_DOT(2, 5, 6)
-                        }
-                    }
-                    AMX_STORE(0) AMX_STORE(1) AMX_STORE(2)
-                    for (int64_t t = 0; t < blocks; t++)
-                        for (int64_t r = 0; r < 16; r++) {
-                            int64_t b = (first + t) * 16 + r;
-                            if (b >= B) break;
-                            const float *s = sums + t * 256 + r * 16;
-                            for (int v = 0; v < 2; v++)
-                                if (widths[v]) store_sums_bf16(y + b * N + n0 + v * PANEL, load8(s + v * PANEL), bv[v], widths[v]);
-                        }
-                }
-            }
-            _tile_release();
+    for (int64_t tile = id; tile < RB * K32; tile += nt) { /* [B/16, K/32, 16, 32], zero-padded */
+        int64_t rb = tile / K32, kb = tile % K32;
+        for (int64_t r = 0; r < 16; r++) {
+            uint16_t *to = xa + ((rb * K32 + kb) * 16 + r) * 32;
+            int64_t b = rb * 16 + r, k0 = kb * 32, n = b < B ? (K - k0 < 32 ? K - k0 : 32) : 0;
+            if (n) memcpy(to, x + b * K + k0, n * sizeof(uint16_t));
+            if (n < 32) memset(to + n, 0, (32 - n) * sizeof(uint16_t));
         }
+    }
+    team_barrier(nt); /* each thread reads the whole of x */
+    uint16_t *tail = aligned_alloc(64, 512 * sizeof(uint16_t)); /* a partial last weight tile, zero-padded */
+    float *sums = aligned_alloc(64, AMX_BLOCKS * 256 * sizeof(float));
+    if (!tail || !sums) {
         free(tail);
         free(sums);
+        return COLORL_NO_MEMORY;
     }
-    free(xa);
-    return failed ? COLORL_NO_MEMORY : 0;
+    amx_configure();
+    int64_t share = (pairs + nt - 1) / nt, q0 = id * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+    for (int64_t q = q0; q < q1; q++) {
+        const uint16_t *wp = panels + q * kpairs_pair_size(K);
+        if (whole < K32) {
+            memset(tail, 0, 512 * sizeof(uint16_t));
+            memcpy(tail, wp + whole * 512, (K2 - whole * 16) * 32 * sizeof(uint16_t));
+        }
+        int64_t n0 = 2 * q * PANEL, widths[2];
+        float bv[2][PANEL];
+        pair_bias_bf16(bias, N, n0, widths, bv);
+        for (int64_t first = 0; first < RB; first += AMX_BLOCKS) {
+            int64_t blocks = RB - first < AMX_BLOCKS ? RB - first : AMX_BLOCKS;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2);
+            for (int64_t kb = 0; kb < K32; kb++) {
+                if (first == 0) /* the stream, AMX_TILE_AHEAD tiles on (into the next pair at the end) */
+                    for (int line = 0; line < 16; line++)
+                        __builtin_prefetch(wp + (kb + AMX_TILE_AHEAD) * 512 + line * 32, 0, 2);
+                if (kb & 1) {
+                    _tile_loadd(7, kb < whole ? wp + kb * 512 : tail, 64);
+                    AMX_DOT(0, 3, 7) AMX_DOT(1, 4, 7) AMX_DOT(2, 5, 7)
+                } else {
+                    _tile_loadd(6, kb < whole ? wp + kb * 512 : tail, 64);
+                    AMX_DOT(0, 3, 6) AMX_DOT(1, 4, 6) AMX_DOT(2, 5, 6)
+                }
+            }
+            AMX_STORE(0) AMX_STORE(1) AMX_STORE(2)
+            for (int64_t t = 0; t < blocks; t++)
+                for (int64_t r = 0; r < 16; r++) {
+                    int64_t b = (first + t) * 16 + r;
+                    if (b >= B) break;
+                    const float *s = sums + t * 256 + r * 16;
+                    for (int v = 0; v < 2; v++)
+                        if (widths[v]) store_sums_bf16(y + b * N + n0 + v * PANEL, load8(s + v * PANEL), bv[v], widths[v]);
+                }
+        }
+    }
+    _tile_release();
+    free(tail);
+    free(sums);
+    return 0;
+}
+
+/* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on AMX. */
+static int amx_panels_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
+                           int64_t N, int64_t K, int threads) {
+    int64_t K32 = (K + 31) / 32, RB = (B + 15) / 16, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
+    int own, code, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
+    uint16_t *xa = team_buffer((size_t)RB * K32 * 512 * sizeof(uint16_t), &own);
+    ON_TEAM(code, team, xa ? amx_share(x, xa, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
+    if (own) free(xa);
+    return code;
 }
 #endif

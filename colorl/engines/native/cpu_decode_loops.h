@@ -222,57 +222,55 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
  * 110 KB from L2 after the first, ran [3072, 576] products at 32 rows at 175-190 GFLOP/s on a Zen 5 core where
  * the pairs' 16-row tiles ran at 200-207; blocks of 192 k's, 190-207. */
 #define GROUP_KS 192
-static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
-                              int64_t K, int threads) {
+/* One thread's share (id of nt, cpu_decode_team.h): x laid out with the others, then its own run of groups. */
+static int NAMED(panels_many_share)(const ELEM *x, float *xp, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B,
+                                    int64_t N, int64_t K, int id, int nt) {
     int64_t groups = (N + GROUP - 1) / GROUP, tiles = (B + GROUP_TILE - 1) / GROUP_TILE;
-    float *xp = malloc(sizeof(float) * tiles * GROUP_TILE * K);
-    if (!xp) return COLORL_NO_MEMORY;
-    int failed = 0, team = threads > 1 && groups >= 2 * threads ? threads : 1;
+    for (int64_t k = id; k < K; k += nt) NAMED(tile_x)(x, xp, B, K, tiles, GROUP_TILE, k);
+    team_barrier(nt); /* each thread reads the whole of x */
     /* tiles 1..P each ask for a share of the next block (the next group's first at the end) into L2, L lines a k
      * (a float32 k's three lines among them) */
     int P = tiles - 1 < 3 ? (int)tiles - 1 : 3, L = P ? (3 + P - 1) / P : 0;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xp, B, K, tiles, GROUP_TILE, k);
-        v16 *carried = aligned_alloc(sizeof(v16), sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS); /* [tiles][8][3] */
-        if (!carried) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            int64_t nt = omp_get_num_threads(), share = (groups + nt - 1) / nt;
-            int64_t g0 = omp_get_thread_num() * share, g1 = g0 + share < groups ? g0 + share : groups;
-            for (int64_t g = g0; g < g1; g++) {
-                const ELEM *wg = panels + g * K * GROUP;
-                memset(carried, 0, sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS);
-                for (int64_t k0 = 0; k0 < K; k0 += GROUP_KS) {
-                    int64_t k1 = k0 + GROUP_KS < K ? k0 + GROUP_KS : K;
-                    const char *after = k1 < K || g + 1 < g1 ? (const char *)(wg + k1 * GROUP) : NULL;
-                    for (int64_t t = 0; t < tiles; t++) {
-                        v16 c[GROUP_TILE][GROUP_VECS], *sums = carried + t * GROUP_TILE * GROUP_VECS;
+    v16 *carried = aligned_alloc(sizeof(v16), sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS); /* [tiles][8][3] */
+    if (!carried) return COLORL_NO_MEMORY;
+    int64_t share = (groups + nt - 1) / nt, g0 = id * share, g1 = g0 + share < groups ? g0 + share : groups;
+    for (int64_t g = g0; g < g1; g++) {
+        const ELEM *wg = panels + g * K * GROUP;
+        memset(carried, 0, sizeof(v16) * tiles * GROUP_TILE * GROUP_VECS);
+        for (int64_t k0 = 0; k0 < K; k0 += GROUP_KS) {
+            int64_t k1 = k0 + GROUP_KS < K ? k0 + GROUP_KS : K;
+            const char *after = k1 < K || g + 1 < g1 ? (const char *)(wg + k1 * GROUP) : NULL;
+            for (int64_t t = 0; t < tiles; t++) {
+                v16 c[GROUP_TILE][GROUP_VECS], *sums = carried + t * GROUP_TILE * GROUP_VECS;
 #pragma GCC unroll 8
-                        for (int i = 0; i < GROUP_TILE; i++)
-                            for (int j = 0; j < GROUP_VECS; j++) c[i][j] = sums[i * GROUP_VECS + j];
-                        const float *xt = xp + t * K * GROUP_TILE;
-                        if (t == 0)
-                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 1, NULL, 0, c);
-                        else if (after && t <= P)
-                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, after + (t - 1) * (k1 - k0) * L * 64, L, c);
-                        else
-                            NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, NULL, 0, c);
+                for (int i = 0; i < GROUP_TILE; i++)
+                    for (int j = 0; j < GROUP_VECS; j++) c[i][j] = sums[i * GROUP_VECS + j];
+                const float *xt = xp + t * K * GROUP_TILE;
+                if (t == 0)
+                    NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 1, NULL, 0, c);
+                else if (after && t <= P)
+                    NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, after + (t - 1) * (k1 - k0) * L * 64, L, c);
+                else
+                    NAMED(group_sums)(xt, wg, k0, k1, GROUP_TILE, 0, NULL, 0, c);
 #pragma GCC unroll 8
-                        for (int i = 0; i < GROUP_TILE; i++)
-                            for (int j = 0; j < GROUP_VECS; j++) sums[i * GROUP_VECS + j] = c[i][j];
-                    }
-                }
-                for (int64_t b = 0; b < B; b++)
-                    NAMED(group_store)(carried + b * GROUP_VECS, y + b * N, bias, N, g * GROUP);
+                for (int i = 0; i < GROUP_TILE; i++)
+                    for (int j = 0; j < GROUP_VECS; j++) sums[i * GROUP_VECS + j] = c[i][j];
             }
         }
-        free(carried);
+        for (int64_t b = 0; b < B; b++) NAMED(group_store)(carried + b * GROUP_VECS, y + b * N, bias, N, g * GROUP);
     }
-    free(xp);
-    return failed ? COLORL_NO_MEMORY : 0;
+    free(carried);
+    return 0;
+}
+
+static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                              int64_t K, int threads) {
+    int64_t groups = (N + GROUP - 1) / GROUP, tiles = (B + GROUP_TILE - 1) / GROUP_TILE;
+    int own, code, team = threads > 1 && groups >= 2 * threads ? threads : 1;
+    float *xp = team_buffer(sizeof(float) * tiles * GROUP_TILE * K, &own);
+    ON_TEAM(code, team, xp ? NAMED(panels_many_share)(x, xp, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
+    if (own) free(xp);
+    return code;
 }
 #else
 /* AVX2: pairs of panels of PANEL outputs, k-major ([N/PANEL, K, PANEL], N zero-padded to a whole pair). */
@@ -346,41 +344,44 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
 
 /* More than 8 rows: x laid out once per call in tiles of TILE rows ([K, TILE] each, zeros past B); each thread one
  * contiguous run of pairs of panels, each pair against every tile in turn. */
+/* One thread's share (id of nt, cpu_decode_team.h): x laid out with the others, then its own run of pairs. */
+static int NAMED(panels_many_share)(const ELEM *x, float *xp, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B,
+                                    int64_t N, int64_t K, int id, int nt) {
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), tiles = (B + TILE - 1) / TILE;
+    for (int64_t k = id; k < K; k += nt) NAMED(tile_x)(x, xp, B, K, tiles, TILE, k);
+    team_barrier(nt); /* each thread reads the whole of x */
+    int64_t share = (pairs + nt - 1) / nt, q0 = id * share, q1 = q0 + share < pairs ? q0 + share : pairs;
+    for (int64_t q = q0; q < q1; q++) {
+        const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
+        int64_t n0 = 2 * q * PANEL, widths[2];
+        float bv[2][PANEL];
+        NAMED(pair_bias)(bias, N, n0, widths, bv);
+        /* The first tile streams the pair, asking for it ahead; the second reads it from cache, and meanwhile
+         * asks for the next pair (into L2), which the memory would otherwise idle through. */
+        const ELEM *next = q + 1 < q1 ? wb + K * PANEL : NULL;
+        for (int64_t t = 0; t < tiles; t++) {
+            v8 c[TILE][2];
+            const float *xt = xp + t * K * TILE;
+            if (t == 0)
+                NAMED(panel_tile)(xt, wa, wb, K, 1, NULL, c);
+            else
+                NAMED(panel_tile)(xt, wa, wb, K, 0, t == 1 ? next : NULL, c);
+            for (int64_t i = 0, b = t * TILE; i < TILE && b < B; i++, b++)
+                for (int v = 0; v < 2; v++)
+                    if (widths[v]) NAMED(store_sums)(y + b * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
+        }
+    }
+    return 0;
+}
+
 static int NAMED(panels_many)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                               int64_t K, int threads) {
     int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), tiles = (B + TILE - 1) / TILE;
-    float *xp = malloc(sizeof(float) * tiles * TILE * K);
-    if (!xp) return COLORL_NO_MEMORY;
-    int team = threads > 1 && pairs >= 2 * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-#pragma omp for schedule(static) /* the threads lay out x together, then each waits for the whole of it */
-        for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xp, B, K, tiles, TILE, k);
-        int64_t nt = omp_get_num_threads(), share = (pairs + nt - 1) / nt;
-        int64_t q0 = omp_get_thread_num() * share, q1 = q0 + share < pairs ? q0 + share : pairs;
-        for (int64_t q = q0; q < q1; q++) {
-            const ELEM *wa = panels + 2 * q * K * PANEL, *wb = wa + K * PANEL;
-            int64_t n0 = 2 * q * PANEL, widths[2];
-            float bv[2][PANEL];
-            NAMED(pair_bias)(bias, N, n0, widths, bv);
-            /* The first tile streams the pair, asking for it ahead; the second reads it from cache, and meanwhile
-             * asks for the next pair (into L2), which the memory would otherwise idle through. */
-            const ELEM *next = q + 1 < q1 ? wb + K * PANEL : NULL;
-            for (int64_t t = 0; t < tiles; t++) {
-                v8 c[TILE][2];
-                const float *xt = xp + t * K * TILE;
-                if (t == 0)
-                    NAMED(panel_tile)(xt, wa, wb, K, 1, NULL, c);
-                else
-                    NAMED(panel_tile)(xt, wa, wb, K, 0, t == 1 ? next : NULL, c);
-                for (int64_t i = 0, b = t * TILE; i < TILE && b < B; i++, b++)
-                    for (int v = 0; v < 2; v++)
-                        if (widths[v]) NAMED(store_sums)(y + b * N + n0 + v * PANEL, c[i][v], bv[v], widths[v]);
-            }
-        }
-    }
-    free(xp);
-    return 0;
+    int own, code, team = threads > 1 && pairs >= 2 * threads ? threads : 1;
+    float *xp = team_buffer(sizeof(float) * tiles * TILE * K, &own);
+    ON_TEAM(code, team, xp ? NAMED(panels_many_share)(x, xp, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
+    if (own) free(xp);
+    return code;
 }
 #endif
 
@@ -403,32 +404,35 @@ void NAMED(colorl_pack_panels)(const ELEM *w, ELEM *panels, int64_t N, int64_t K
             }
 }
 
+/* One thread's share (id of nt, cpu_decode_team.h): its run of groups (panels) against x's rows in xt. */
+static int NAMED(panels_few_share)(const float *xt, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
+                                   int64_t K, int id, int nt) {
+    int64_t count = FEW_UNITS(N), share = (count + nt - 1) / nt;
+    int64_t p0 = id * share, p1 = p0 + share < count ? p0 + share : count;
+    switch (B) { /* one copy of the loop per row count, its sums in registers */
+    case 1: NAMED(panel_rows)(xt, panels, bias, y, 1, N, K, p0, p1); break;
+    case 2: NAMED(panel_rows)(xt, panels, bias, y, 2, N, K, p0, p1); break;
+    case 3: NAMED(panel_rows)(xt, panels, bias, y, 3, N, K, p0, p1); break;
+    case 4: NAMED(panel_rows)(xt, panels, bias, y, 4, N, K, p0, p1); break;
+    case 5: NAMED(panel_rows)(xt, panels, bias, y, 5, N, K, p0, p1); break;
+    case 6: NAMED(panel_rows)(xt, panels, bias, y, 6, N, K, p0, p1); break;
+    case 7: NAMED(panel_rows)(xt, panels, bias, y, 7, N, K, p0, p1); break;
+    default: NAMED(panel_rows)(xt, panels, bias, y, 8, N, K, p0, p1); break;
+    }
+    return 0;
+}
+
 /* Up to 8 rows: each thread one contiguous run of groups (of panels on AVX2), split among the threads when each
- * gets FEW_TEAM_OUTPUTS outputs or more (counted in outputs: a [576, K] matrix is 12 groups and 36 pairs). */
+ * gets FEW_TEAM_OUTPUTS outputs or more (counted in outputs: a [576, K] matrix is 12 groups and 36 pairs). x is laid
+ * out k-major by the calling thread (inside a step, by each thread for itself: a few KB). */
 static int NAMED(panels_few)(const ELEM *x, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B, int64_t N,
                              int64_t K, int threads) {
-    int64_t count = FEW_UNITS(N);
     float *xt = malloc(sizeof(float) * K * B);
-    if (!xt) return COLORL_NO_MEMORY;
-    for (int64_t k = 0; k < K; k++) NAMED(tile_x)(x, xt, B, K, 1, B, k); /* one tile of all B rows: [K, B] */
-    int team = threads > 1 && N >= FEW_TEAM_OUTPUTS * threads ? threads : 1;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int64_t nt = omp_get_num_threads(), share = (count + nt - 1) / nt;
-        int64_t p0 = omp_get_thread_num() * share, p1 = p0 + share < count ? p0 + share : count;
-        switch (B) { /* one copy of the loop per row count, its sums in registers */
-        case 1: NAMED(panel_rows)(xt, panels, bias, y, 1, N, K, p0, p1); break;
-        case 2: NAMED(panel_rows)(xt, panels, bias, y, 2, N, K, p0, p1); break;
-        case 3: NAMED(panel_rows)(xt, panels, bias, y, 3, N, K, p0, p1); break;
-        case 4: NAMED(panel_rows)(xt, panels, bias, y, 4, N, K, p0, p1); break;
-        case 5: NAMED(panel_rows)(xt, panels, bias, y, 5, N, K, p0, p1); break;
-        case 6: NAMED(panel_rows)(xt, panels, bias, y, 6, N, K, p0, p1); break;
-        case 7: NAMED(panel_rows)(xt, panels, bias, y, 7, N, K, p0, p1); break;
-        default: NAMED(panel_rows)(xt, panels, bias, y, 8, N, K, p0, p1); break;
-        }
-    }
+    for (int64_t k = 0; xt && k < K; k++) NAMED(tile_x)(x, xt, B, K, 1, B, k); /* one tile of all B rows: [K, B] */
+    int code, team = threads > 1 && N >= FEW_TEAM_OUTPUTS * threads ? threads : 1;
+    ON_TEAM(code, team, xt ? NAMED(panels_few_share)(xt, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
     free(xt);
-    return 0;
+    return code;
 }
 
 /* y [B, N] = x [B, K] . w [N, K]^T (+ bias), w given as its panels (colorl_pack_panels). */
@@ -558,41 +562,45 @@ static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_
 }
 #endif
 
+/* One thread's share (id of nt, cpu_decode_team.h) of colorl_paged_decode: the tasks it claims in turn from
+ * *claimed (schedule(dynamic, 1): sequences' contexts differ in length). In bf16 a task is a sequence, or, with fewer
+ * sequences than `threads`, a share of its KV heads (shares of them); in float32 a (sequence, KV head). */
+static int NAMED(paged_decode_share)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
+                                     int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H,
+                                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t shares,
+                                     int64_t *claimed, int nt) {
+    int64_t tasks = S * shares, row_bytes = 2 * Hkv * D * (int64_t)sizeof(ELEM);
+    int code = 0;
+    for (int64_t task = team_claim(claimed); task < tasks; task = team_claim(claimed)) {
+        int64_t s = task / shares, share = task % shares;
+        ask_for_sequences(cache, tables, width, lengths, block_size, row_bytes, task, tasks, shares, nt);
+#if STAGE_KV
+        int failed = NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H,
+                                            Hkv, D, block_size, scale, share * Hkv / shares, (share + 1) * Hkv / shares);
+#else
+        int failed = decode_head(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
+                                 block_size, scale, share);
+#endif
+        code = code ? code : failed;
+    }
+    return code;
+}
+
 int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
                                int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
                                int64_t D, int64_t block_size, float scale, int threads, int64_t num_slots) {
     if (check_tables(tables, width, lengths, S, block_size, num_slots)) return COLORL_OUT_OF_RANGE;
-    int failed = 0;
 #if STAGE_KV
-    int64_t shares = S < threads ? (threads < Hkv ? threads : Hkv) : 1, tasks = S * shares; /* of each sequence's KV heads */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t s = task / shares, share = task % shares;
-        ask_for_sequences(cache, tables, width, lengths, block_size, 2 * Hkv * D * (int64_t)sizeof(ELEM), task, tasks,
-                          shares, threads);
-        if (NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
-                                   block_size, scale, share * Hkv / shares, (share + 1) * Hkv / shares)) {
-#pragma omp atomic write
-            failed = 1;
-        }
-    }
+    int64_t shares = S < threads ? (threads < Hkv ? threads : Hkv) : 1; /* of each sequence's KV heads */
 #else
-    int64_t tasks = S * Hkv;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t s = task / Hkv, kvh = task % Hkv;
-        ask_for_sequences(cache, tables, width, lengths, block_size, 2 * Hkv * D * (int64_t)sizeof(ELEM), task, tasks,
-                          Hkv, threads);
-        const ELEM *qs = q + s * q_stride;
-        const int64_t *table = tables + s * width;
-        ELEM *os = out + s * H * D;
-        if (decode_head(qs, cache, table, lengths[s], os, H, Hkv, D, block_size, scale, kvh)) {
-#pragma omp atomic write
-            failed = 1;
-        }
-    }
+    int64_t shares = Hkv; /* a task per KV head */
 #endif
-    return failed ? COLORL_NO_MEMORY : 0;
+    int64_t own = 0, *claimed = team_counter(&own);
+    int code;
+    ON_TEAM(code, threads > 1 && S * shares > 1 ? threads : 1,
+            NAMED(paged_decode_share)(q, q_stride, cache, tables, width, lengths, out, S, H, Hkv, D, block_size, scale,
+                                      shares, claimed, nt));
+    return code;
 }
 
 /* ---------------------------------------------------------------- a whole decoder layer
@@ -611,91 +619,149 @@ static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, cons
     return NAMED(colorl_panels)(x, panels, bias, y, T, N, K, threads);
 }
 
-/* The norms, the SiLU and RoPE with the K/V write work row by row; from SPLIT_ROWS rows on, the layer splits the
- * rows among its threads, which otherwise wait at the next product while one thread runs them (at 32 rows of bf16
- * on the AMX Xeon, 13 % of a step's time: bench/README.md, "Where a batch of 32 spends its step"). Each row's loop
- * is the one the per-operation path runs, so the bits are the same. */
-#define SPLIT_ROWS 16
-static void NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM *out, int64_t T, int64_t C, float eps,
-                              int threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && T >= SPLIT_ROWS)
-    for (int64_t t = 0; t < T; t++) NAMED(colorl_add_rms_norm)(x + t * C, add ? add + t * C : NULL, weight, out + t * C, 1, C, eps);
-}
+/* The norms, the SiLU, RoPE with the K/V write and the logits' widening work row by row: inside the step's team
+ * (cpu_decode_team.h) the rows are split among its threads from two rows on, which otherwise wait at the next
+ * product's barrier while one thread runs them (at 32 rows of bf16 on the AMX Xeon, 13 % of a step's time:
+ * bench/README.md, "Where a batch of 32 spends its step"). Each row's loop is the one the per-operation path runs,
+ * so the bits are the same. result = `row` (a statement of t) for every row t < T. */
+#define EACH_ROW(result, T, threads, row) \
+    ON_TEAM(result, (threads) > 1 && (T) > 1 ? (threads) : 1, ({ for (int64_t t = id; t < (T); t += nt) row; 0; }))
 
-static void NAMED(split_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I, int threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && T >= SPLIT_ROWS)
-    for (int64_t t = 0; t < T; t++) NAMED(colorl_silu_mul)(gate_up + t * 2 * I, out + t * I, 1, I);
+static int NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM *out, int64_t T, int64_t C, float eps,
+                             int threads) {
+    int code;
+    EACH_ROW(code, T, threads, NAMED(colorl_add_rms_norm)(x + t * C, add ? add + t * C : NULL, weight, out + t * C, 1, C, eps));
+    return code;
 }
 
 /* colorl_rope_write_kv's rows, split as above. */
 static int NAMED(split_rope_write_kv)(ELEM *qkv, const decode_step_t *s, ELEM *cache) {
-    int64_t T = s->tokens;
-    if (check_writes(s->slots, s->positions, T, s->num_slots, s->num_positions)) return COLORL_OUT_OF_RANGE;
-#pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T >= SPLIT_ROWS)
-    for (int64_t t = 0; t < T; t++)
-        NAMED(rope_write_row)(qkv, t, s->heads, s->kv_heads, s->head_dim, s->cos, s->sin, s->positions, s->slots, cache);
-    return 0;
+    if (check_writes(s->slots, s->positions, s->tokens, s->num_slots, s->num_positions)) return COLORL_OUT_OF_RANGE;
+    int code;
+    EACH_ROW(code, s->tokens, s->threads,
+             NAMED(rope_write_row)(qkv, t, s->heads, s->kv_heads, s->head_dim, s->cos, s->sin, s->positions, s->slots, cache));
+    return code;
 }
 
-int NAMED(colorl_decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
+/* One layer, on the step's team. */
+static int NAMED(decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
     int64_t width = (H + 2 * Hkv) * D;
     ELEM *h = scratch, *qkv = h + T * C, *attn = qkv + T * width, *gate_up = attn + T * H * D, *act = gate_up + T * 2 * I,
          *o = act + T * I;
     int code;
-    NAMED(split_norm)(x, delta, l->input_norm, h, T, C, s->eps, s->threads);
+    if ((code = NAMED(split_norm)(x, delta, l->input_norm, h, T, C, s->eps, s->threads))) return code;
     if ((code = NAMED(product)(h, l->w_qkv, l->p_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
     if ((code = NAMED(split_rope_write_kv)(qkv, s, l->cache))) return code;
     if ((code = NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
                                            s->block_size, s->scale, s->threads, s->num_slots)))
         return code;
     if ((code = NAMED(product)(attn, l->w_o, l->p_o, l->b_o, o, T, C, H * D, s->threads))) return code;
-    NAMED(split_norm)(x, o, l->post_norm, h, T, C, s->eps, s->threads);
+    if ((code = NAMED(split_norm)(x, o, l->post_norm, h, T, C, s->eps, s->threads))) return code;
     if ((code = NAMED(product)(h, l->w_gate_up, l->p_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads)))
         return code;
-    NAMED(split_silu_mul)(gate_up, act, T, I, s->threads);
+    EACH_ROW(code, T, s->threads, NAMED(colorl_silu_mul)(gate_up + t * 2 * I, act + t * I, 1, I));
+    if (code) return code;
     return NAMED(product)(act, l->w_down, l->p_down, l->b_down, out, T, C, I, s->threads);
 }
 
-/* Every layer of a decode step, in order, in one call (a call per layer cost 30-50 us of Python and ctypes
- * each: 2-3 % of a batch-1 step of a 135M model). Each layer takes the previous one's MLP output as its
- * delta (none for the first); out receives the last one's. scratch: 2 T C values for the layers' outputs,
- * in turn, then one layer's scratch (colorl_decode_layer). */
-int NAMED(colorl_decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+/* The bytes the step's products share for their x (team_buffer): the most any product's layout takes, from T rows
+ * rounded up to a whole tile (16 at most) over its widest K rounded up to a whole k-block (32). */
+static size_t NAMED(step_bytes)(const decode_step_t *s) {
+    int64_t K = s->hidden, attention = s->heads * s->head_dim;
+    K = attention > K ? attention : K;
+    K = s->intermediate > K ? s->intermediate : K;
+    return (size_t)(s->tokens + 16) * (size_t)(K + 32) * sizeof(float);
+}
+
+/* Every layer of a decode step, in order, on the step's team. Each layer takes the previous one's MLP output as its
+ * delta (none for the first); out receives the last one's. scratch: 2 T C values for the layers' outputs, in turn,
+ * then one layer's scratch. */
+static int NAMED(decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                 const decode_step_t *s) {
     int64_t size = s->tokens * s->hidden;
     const ELEM *delta = NULL;
     for (int64_t i = 0; i < count; i++) {
         ELEM *mlp = i == count - 1 ? out : scratch + (i % 2) * size;
-        int code = NAMED(colorl_decode_layer)(x, delta, mlp, scratch + 2 * size, &layers[i], s);
+        int code = NAMED(decode_layer)(x, delta, mlp, scratch + 2 * size, &layers[i], s);
         if (code) return code;
         delta = mlp;
     }
     return 0;
 }
 
-/* A decode step whose every token samples, its layers and its logits in one call: the layers as
- * colorl_decode_layers runs them, then the last MLP output added to the stream, the final norm and the head's
- * product as the model's per-operation path runs them (the same loops, so the same bits), the head's ELEM
- * outputs widened to float32 logits [T, V] (the per-operation path's `.float()`). Done in Python, those last
- * steps cost a few tensors and calls a step (0.1-0.3 ms, with cold caches after the weights' stream). x: the
- * stream, updated in place; out: the last layer's MLP output; scratch: colorl_decode_layers' values, then
- * T C for the norm's output and, but in float32, T V for the head's. */
-int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+/* Every layer of a decode step in one call (a call per layer cost 30-50 us of Python and ctypes each: 2-3 % of a
+ * batch-1 step of a 135M model), on one team of threads (cpu_decode_team.h). */
+int NAMED(colorl_decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+                                const decode_step_t *s) {
+    int code;
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s), NAMED(decode_layers)(x, out, scratch, layers, count, s));
+    return code;
+}
+
+/* The layers, then the last MLP output added to the stream, the final norm and the head's product as the model's
+ * per-operation path runs them (the same loops, so the same bits), the head's ELEM outputs widened to float32
+ * logits [T, V] (the per-operation path's `.float()`), on the step's team. */
+static int NAMED(decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                 const decode_step_t *s, const decode_head_t *head, float *logits) {
-    int code = NAMED(colorl_decode_layers)(x, out, scratch, layers, count, s);
+    int code = NAMED(decode_layers)(x, out, scratch, layers, count, s);
     if (code) return code;
     int64_t T = s->tokens, C = s->hidden, V = head->vocab, H = s->heads, D = s->head_dim;
     ELEM *h = scratch + T * (4 * C + (H + 2 * s->kv_heads) * D + H * D + 3 * s->intermediate);
     ELEM *y = sizeof(ELEM) == sizeof(float) ? (ELEM *)logits : h + T * C; /* float32: the head writes the logits */
-    NAMED(split_norm)(x, out, head->norm, h, T, C, s->eps, s->threads);
+    if ((code = NAMED(split_norm)(x, out, head->norm, h, T, C, s->eps, s->threads))) return code;
     if ((code = NAMED(product)(h, head->w, head->p, NULL, y, T, V, C, s->threads))) return code;
-    if ((void *)y != (void *)logits) {
-#pragma omp parallel for num_threads(s->threads) if (s->threads > 1 && T > 1)
-        for (int64_t t = 0; t < T; t++) NAMED(widen)(y + t * V, logits + t * V, V);
+    if ((void *)y != (void *)logits) EACH_ROW(code, T, s->threads, NAMED(widen)(y + t * V, logits + t * V, V));
+    return code;
+}
+
+/* A decode step whose every token samples, its layers and its logits in one call. Done in Python, the logits' steps
+ * cost a few tensors and calls a step (0.1-0.3 ms, with cold caches after the weights' stream). x: the stream,
+ * updated in place; out: the last layer's MLP output; scratch: colorl_decode_layers' values, then T C for the
+ * norm's output and, but in float32, T V for the head's. */
+int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+                                const decode_step_t *s, const decode_head_t *head, float *logits) {
+    int code;
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s),
+              NAMED(decode_logits)(x, out, scratch, layers, count, s, head, logits));
+    return code;
+}
+
+/* The steps of colorl_decode_burst, on the step's team; moved: the positions, then the context lengths, of its
+ * rows, which it moves on a step at a time. */
+static int NAMED(decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
+                               const decode_step_t *s, const decode_head_t *head, float *logits, const ELEM *embed,
+                               const float *temperatures, int64_t steps, const int64_t *slots, const double *u,
+                               const int64_t *stops, const int64_t *offsets, int64_t *tokens, float *logps,
+                               int64_t *done, int64_t *moved) {
+    int64_t T = s->tokens, C = s->hidden, V = head->vocab;
+    decode_step_t step = *s;
+    step.positions = moved;
+    step.lengths = moved + T;
+    int code = 0, stopped = 0;
+    for (int64_t j = 0; j < steps && !code && !stopped; j++) {
+        if (j > 0) {
+            EACH_ROW(code, T, s->threads, {
+                memcpy(x + t * C, embed + tokens[(j - 1) * T + t] * C, sizeof(ELEM) * C);
+                moved[t]++;
+                moved[T + t]++;
+            });
+            if (code) break;
+        }
+        step.slots = slots + j * T;
+        if ((code = NAMED(decode_logits)(x, out, scratch, layers, count, &step, head, logits))) break;
+        EACH_ROW(code, T, s->threads, {
+            if (temperatures[t] != 1.0f)
+                for (int64_t v = 0; v < V; v++) logits[t * V + v] /= temperatures[t];
+        });
+        if (code) break;
+        if ((code = colorl_sample_plain(logits, T, V, u + j * T, tokens + j * T, logps + j * T, s->threads))) break;
+        if (omp_get_thread_num() == 0) *done = j + 1;
+        for (int64_t t = 0; t < T; t++) /* every thread reads the same tokens, and stops at the same step */
+            for (int64_t i = offsets[t]; i < offsets[t + 1]; i++) stopped |= tokens[j * T + t] == stops[i];
     }
-    return 0;
+    return code;
 }
 
 /* A burst of up to `steps` decode steps of the same T sequences in one call, each sampling every sequence's next
@@ -707,41 +773,24 @@ int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
  * count picks the products' loops, and with them the bits. So the tokens and log-probs are those of single steps.
  * Between single steps the engine's Python (scheduling, the step's tensors, the draws, appending the tokens) took
  * 0.45-0.75 ms while the second core idled; in bursts of 8 a bf16 step at two threads on a Zen 5 took 0.93-0.97x
- * the time. The caller reserved every slot. x: the first step's stream; s: the first step's inputs (not changed);
- * tokens, logps: [steps, T], of which *done steps are drawn. Stops at the first error. */
+ * the time. The whole burst runs on one team (cpu_decode_team.h). The caller reserved every slot. x: the first
+ * step's stream; s: the first step's inputs (not changed); tokens, logps: [steps, T], of which *done steps are
+ * drawn. Stops at the first error. */
 int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                const decode_step_t *s, const decode_head_t *head, float *logits, const ELEM *embed,
                                const float *temperatures, int64_t steps, const int64_t *slots, const double *u,
                                const int64_t *stops, const int64_t *offsets, int64_t *tokens, float *logps,
                                int64_t *done) {
-    int64_t T = s->tokens, C = s->hidden, V = head->vocab;
+    int64_t T = s->tokens;
     int64_t *moved = malloc(sizeof(int64_t) * 2 * T); /* positions, then lengths */
     if (!moved) return COLORL_NO_MEMORY;
     memcpy(moved, s->positions, sizeof(int64_t) * T);
     memcpy(moved + T, s->lengths, sizeof(int64_t) * T);
-    decode_step_t step = *s;
-    step.positions = moved;
-    step.lengths = moved + T;
-    int code = 0, stopped = 0;
     *done = 0;
-    for (int64_t j = 0; j < steps && !code && !stopped; j++) {
-        if (j > 0) {
-            for (int64_t t = 0; t < T; t++) {
-                memcpy(x + t * C, embed + tokens[(j - 1) * T + t] * C, sizeof(ELEM) * C);
-                moved[t]++;
-                moved[T + t]++;
-            }
-        }
-        step.slots = slots + j * T;
-        if ((code = NAMED(colorl_decode_logits)(x, out, scratch, layers, count, &step, head, logits))) break;
-        for (int64_t t = 0; t < T; t++)
-            if (temperatures[t] != 1.0f)
-                for (int64_t v = 0; v < V; v++) logits[t * V + v] /= temperatures[t];
-        if ((code = colorl_sample_plain(logits, T, V, u + j * T, tokens + j * T, logps + j * T, s->threads))) break;
-        *done = j + 1;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = offsets[t]; i < offsets[t + 1]; i++) stopped |= tokens[j * T + t] == stops[i];
-    }
+    int code;
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s),
+              NAMED(decode_burst)(x, out, scratch, layers, count, s, head, logits, embed, temperatures, steps, slots, u,
+                                  stops, offsets, tokens, logps, done, moved));
     free(moved);
     return code;
 }
