@@ -26,8 +26,9 @@ def wide_model(tmp_path_factory):
                            num_attention_heads=4, num_key_value_heads=2)
 
 
-def rollout(folder, dtype, threads: int, per_operation: bool, compiled) -> list:
-    """Eleven sequences of different lengths at two temperatures, in bursts: steps of 11 rows down to 1."""
+def rollout(folder, dtype, threads: int, per_operation: bool, compiled, one_team: bool = True) -> list:
+    """Eleven sequences of different lengths at two temperatures, in bursts: steps of 11 rows down to 1; one_team
+    False: the bursts' loops each fork a team of their own (COLORL_CPU_DECODE_TEAM=0)."""
     requests = [GenerationRequest(str(i), list(range(10, 14 + 3 * i)),
                                   SamplingParams(temperature=(1.0, 0.8)[i % 2], max_new_tokens=4 + 2 * i,
                                                  ignore_eos=True, seed=i))
@@ -35,27 +36,29 @@ def rollout(folder, dtype, threads: int, per_operation: bool, compiled) -> list:
     with pinned(threads):
         engine = NativeEngine(folder, EngineConfig(num_blocks=128, block_size=4, max_prefill_tokens=512), dtype=dtype)
         compiled.seconds = {} if per_operation else None  # {}: the per-operation path, each loop its own team
+        compiled.use_one_team(one_team)
         try:
             return engine.generate(requests)
         finally:
             compiled.seconds = None
+            compiled.use_one_team(True)
 
 
 @pytest.mark.parametrize("few_rows", ["all", "none"])  # up to 8 rows over the panels, or on the rows kernel
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
 def test_a_steps_team_computes_what_a_team_per_loop_computes_at_any_thread_count(compiled, wide_model, monkeypatch,
                                                                                  dtype, few_rows):
-    """Bursts on one team of 1, 2 and 3 threads, and the per-operation path at 2 (a team per loop): the same tokens
-    and bit-identical log-probs. A share left out, or a thread that read x before the others had laid it out
+    """Bursts on one team of 1, 2 and 3 threads, bursts whose loops fork a team each at 2, and the per-operation path
+    at 2 (a team per loop): the same tokens and bit-identical log-probs. A share left out, or a thread that read x before the others had laid it out
     (a barrier missing), would show in the bits; an error or barrier met by some threads only would hang."""
     monkeypatch.setattr(type(compiled), "rows_won", lambda self, dtype: frozenset(range(1, cpu_decode.MAX_ROWS + 1)))
     monkeypatch.setenv("COLORL_CPU_DECODE_PANEL_ROWS", few_rows)
     reference = rollout(wide_model, dtype, 2, True, compiled)
-    for threads in (1, 2, 3):
-        got = rollout(wide_model, dtype, threads, False, compiled)
+    for threads, one_team in ((1, True), (2, True), (3, True), (2, False)):
+        got = rollout(wide_model, dtype, threads, False, compiled, one_team)
         for mine, want in zip(got, reference):
-            assert mine.output_ids == want.output_ids, (threads, mine.request_id)
-            assert mine.logprobs == want.logprobs, (threads, mine.request_id)
+            assert mine.output_ids == want.output_ids, (threads, one_team, mine.request_id)
+            assert mine.logprobs == want.logprobs, (threads, one_team, mine.request_id)
     assert [len(r.output_ids) for r in reference] == [4 + 2 * i for i in range(11)]
 
 

@@ -290,12 +290,22 @@ class CpuDecode:
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
         self.amx_min_rows = int(library.colorl_amx_min_rows())  # fewer rows run on the FMA loops even with AMX on
         self.amx = self.use_amx(amx_wanted())
+        self._one_team = library.colorl_one_team
+        self._one_team.argtypes, self._one_team.restype = [_int], _int
+        self.one_team = self.use_one_team(switched_on("COLORL_CPU_DECODE_TEAM"))
 
     def use_stream_nta(self, on: bool) -> bool:
         """Products of 1-2 rows ask for their weights ahead non-temporally (on) or not at all, from now on: the
         same arithmetic either way (`nta_wanted`)."""
         self.stream_nta = bool(self._stream_nta(int(on)))
         return self.stream_nta
+
+    def use_one_team(self, on: bool) -> bool:
+        """Run a whole decode step's loops (decode_layers, decode_burst) on one team of threads that the call keeps
+        (on: cpu_decode_team.h), or fork and join a team per loop as the per-operation path does, from now on: the
+        same arithmetic either way. COLORL_CPU_DECODE_TEAM=0 starts with a team per loop."""
+        self.one_team = bool(self._one_team(int(on)))
+        return self.one_team
 
     def use_amx(self, on: bool) -> bool:
         """Run the bf16 products over the panels (`panel_linear`, a decode step's products on the panels) on AMX
@@ -598,15 +608,20 @@ def _parsed_counts(name: str, value: str, every: frozenset[int], hint: str) -> f
     return rows
 
 
+def switched_on(name: str) -> bool:
+    """A choice of the loops that the environment variable `name` set to 0 switches off (on by default)."""
+    return os.environ.get(name, "1") != "0"
+
+
 def amx_wanted() -> bool:
     """The bf16 panels may run on AMX tiles: COLORL_CPU_DECODE_AMX=0 keeps the FMA loops."""
-    return os.environ.get("COLORL_CPU_DECODE_AMX", "1") != "0"
+    return switched_on("COLORL_CPU_DECODE_AMX")
 
 
 def nta_wanted() -> bool:
     """Products of 1-2 rows ask for their weights ahead non-temporally (cpu_decode.c, STREAM_AHEAD), past the
     caches the rest of a step reads: COLORL_CPU_DECODE_NTA=0 asks for none, to compare on a CPU not yet measured."""
-    return os.environ.get("COLORL_CPU_DECODE_NTA", "1") != "0"
+    return switched_on("COLORL_CPU_DECODE_NTA")
 
 
 def forced_rows() -> frozenset[int] | None:

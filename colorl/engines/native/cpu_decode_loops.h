@@ -622,10 +622,13 @@ static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, cons
 /* The norms, the SiLU, RoPE with the K/V write and the logits' widening work row by row: inside the step's team
  * (cpu_decode_team.h) the rows are split among its threads from two rows on, which otherwise wait at the next
  * product's barrier while one thread runs them (at 32 rows of bf16 on the AMX Xeon, 13 % of a step's time:
- * bench/README.md, "Where a batch of 32 spends its step"). Each row's loop is the one the per-operation path runs,
- * so the bits are the same. result = `row` (a statement of t) for every row t < T. */
-#define EACH_ROW(result, T, threads, row) \
-    ON_TEAM(result, (threads) > 1 && (T) > 1 ? (threads) : 1, ({ for (int64_t t = id; t < (T); t += nt) row; 0; }))
+ * bench/README.md, "Where a batch of 32 spends its step"); with a team forked per loop (colorl_one_team(0)), from
+ * SPLIT_ROWS rows on. Each row's loop is the one the per-operation path runs, so the bits are the same.
+ * result = `row` (a statement of t) for every row t < T. */
+#define SPLIT_ROWS 16
+#define EACH_ROW(result, T, threads, row)                                                                         \
+    ON_TEAM(result, (threads) > 1 && (T) >= (step_team ? 2 : SPLIT_ROWS) ? (threads) : 1,                        \
+            ({ for (int64_t t = id; t < (T); t += nt) row; 0; }))
 
 static int NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM *out, int64_t T, int64_t C, float eps,
                              int threads) {

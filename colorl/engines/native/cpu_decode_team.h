@@ -32,6 +32,14 @@ typedef struct {
 static __thread team_t *step_team = NULL; /* the step's, while this thread runs in it */
 static __thread int64_t team_loops = 0;   /* the loops this thread has finished in the step */
 
+/* colorl_one_team(0) (COLORL_CPU_DECODE_TEAM=0 in cpu_decode.py, bench/step_team.py): a step's loops each fork and
+ * join a team of their own again, as before, to compare. */
+static int one_team = 1;
+int colorl_one_team(int on) {
+    one_team = on != 0;
+    return one_team;
+}
+
 /* A fault for the tests (tests/engines/test_step_team.py): from now on the last thread of every step's team fails
  * loop `loop` of the step alone, as a share whose memory ran out would; -1, none. */
 static int64_t team_fault_loop = -1;
@@ -110,13 +118,18 @@ static inline int64_t team_claim(int64_t *counter) { return __atomic_fetch_add(c
 /* result = `body` (an expression, 0 or a COLORL_* code) run on every thread of one team of `threads` for a whole step,
  * its loops on that team (ON_TEAM), sharing `shared` bytes for their x (team_buffer). Every thread leaves `body` with the
  * same result. */
-#define STEP_TEAM(result, threads, shared, body)                                                                   \
+#define STEP_TEAM(result, threads, shared, body)                                                                  \
     do {                                                                                                          \
         team_t team_ = {0};                                                                                       \
-        team_.bytes = (shared);                                                                                    \
-        team_.buffer = aligned_alloc(64, (team_.bytes + 63) / 64 * 64);                                          \
-        int step_code_ = team_.buffer ? 0 : COLORL_NO_MEMORY, step_threads_ = (threads);                          \
-        if (team_.buffer) {                                                                                       \
+        int step_code_ = 0, step_threads_ = (threads);                                                            \
+        if (one_team) {                                                                                           \
+            team_.bytes = (shared);                                                                               \
+            team_.buffer = aligned_alloc(64, (team_.bytes + 63) / 64 * 64);                                      \
+            step_code_ = team_.buffer ? 0 : COLORL_NO_MEMORY;                                                     \
+        }                                                                                                         \
+        if (!one_team) {                                                                                          \
+            step_code_ = (body); /* no step team: each loop forks its own */                                      \
+        } else if (team_.buffer) {                                                                                \
             _Pragma("omp parallel num_threads(step_threads_)") {                                                  \
                 step_team = &team_;                                                                               \
                 team_loops = 0;                                                                                   \

@@ -67,6 +67,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                  + (f" ({caps})" if caps else ""))
     library = cpu_decode.load()
     nta = "" if library is None or library.stream_nta else ", 1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)"
+    if library is not None and not library.one_team:
+        nta += ", a team of threads per loop of a step (COLORL_CPU_DECODE_TEAM=0)"
     lines.append(f"decode loops: built {library.build}" + _amx_text(library) + nta
                  if library is not None else f"decode loops: not used ({cpu_decode.why_not()})")
     threads_now = torch.get_num_threads()
