@@ -69,3 +69,13 @@ def test_no_import_circle_among_colorls_modules():
     graph = {name: imported_modules(path, modules) - {name} - {p for p in modules if name.startswith(p + ".")}
              for name, path in files.items()}
     assert circles(graph) == []
+
+
+def test_no_bench_script_hides_an_installed_module():
+    """A bench runs as `python bench/x.py`, which puts bench/ first on the path: a bench module named like an
+    installed package hides it from everything imported after it (transformers 5.25 imports the `kernels`
+    package, which bench/kernels.py hid: every bench stopped with an ImportError, `make bench` included)."""
+    import importlib.util
+
+    bench = Path(__file__).parents[1] / "bench"
+    assert [p.stem for p in bench.glob("*.py") if importlib.util.find_spec(p.stem) is not None] == []

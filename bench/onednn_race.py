@@ -10,7 +10,7 @@ read bandwidth and their FLOPs at the best rate either kernel reaches on a 2048Â
 (bench/limits.py's `matmul_rate` and `read_bandwidth`: the physical floor it holds the rollout to). `oneDNN / floor` is how far the fastest
 kernel alone, with no attention, sampling or Python around it, stays above that floor.
 
-    python bench/kernels.py [--rounds 3] [--rows 1,4,8,32,2048] [--threads 1,2]
+    python bench/onednn_race.py [--rounds 3] [--rows 1,4,8,32,2048] [--threads 1,2]
 """
 from __future__ import annotations
 

@@ -1,0 +1,110 @@
+"""One team of threads for a whole decode step against a team forked per loop, side by side in one process on
+SmolLM2-135M, each step against the memory floor read beside it (issue 31 item 1).
+
+    python bench/step_team.py                              # bf16, 2 threads, batches 1 and 8, 7 rounds (~3 min)
+    python bench/step_team.py --dtype float32 --threads 2
+
+The engine decodes in bursts (its default) with the step's loops on one team of threads that the call keeps
+(cpu_decode_team.h), or with each loop forking and joining a team of its own (COLORL_CPU_DECODE_TEAM=0, the loops
+as they ran before). The rounds interleave the two, so both see the same neighbours on a shared machine; each
+round reads the floor (a sum of 512 MiB, bench/limits.py) before and after its decode run and keeps the faster.
+The verdict is the median of the per-round ratios. Results: bench/results/step_team.json; summary in
+bench/README.md, "One team for a step".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import QUESTIONS, make_engine, timed_call  # bench/
+from limits import MemoryReader  # bench/
+from machine import cpu_model  # bench/
+
+ROOT = Path(__file__).resolve().parent
+
+
+def decode_run(engine, prompt: list[int], batch: int, tag: str) -> float:
+    """Median seconds per decode step of `batch` sequences decoding 66 tokens in bursts, after the first burst."""
+    from colorl.engines.base import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=66, ignore_eos=True)
+    for i in range(batch):
+        engine.add(GenerationRequest(f"{tag}-{i}", prompt, params))
+    engine.step()  # the prefill
+    steps = []
+    while engine.has_unfinished():
+        seconds, count = timed_call(engine, batch)
+        steps += [seconds] * count
+    return statistics.median(steps[engine.decode_burst:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=str(ROOT / "results" / "step_team.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("smollm2-135m-instruct")
+    dtype = getattr(torch, args.dtype)
+    engine = make_engine("native", model_dir, dtype)
+    compiled = engine.model.compiled(dtype, torch.device("cpu"))
+    if compiled is None:
+        sys.exit("step_team: the native engine's compiled loops are not used here; nothing to compare")
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
+    reader = MemoryReader()
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds = []
+    for index in range(args.rounds):
+        record = {}
+        for batch in batches:
+            for one_team in ((True, False) if index % 2 else (False, True)):
+                compiled.use_one_team(one_team)
+                before = reader.once()
+                step = decode_run(engine, prompt, batch, f"{index}-{batch}-{one_team}")
+                rate = max(before, reader.once())
+                record[f"b{batch}_{'one_team' if one_team else 'team_per_loop'}"] = {
+                    "step_ms": step * 1e3, "read_gb_s": rate / 1e9, "over_floor": step * rate / weight_bytes}
+        rounds.append(record)
+    compiled.use_one_team(True)
+
+    print(f"{cpu_model()}, {args.threads} threads, {args.dtype}, SmolLM2-135M ({weight_bytes / 1e6:.0f} MB of weights), "
+          f"bursts of {engine.decode_burst}, {args.rounds} rounds (medians; ratios: median of per-round ratios)")
+    print("| batch | read rate | step, a team per loop | / floor | step, one team | / floor | per loop / one team |")
+    print("|---|---|---|---|---|---|---|")
+    summary = {}
+    for batch in batches:
+        per_loop = [r[f"b{batch}_team_per_loop"] for r in rounds]
+        team = [r[f"b{batch}_one_team"] for r in rounds]
+        row = {
+            "read_gb_s": statistics.median(r["read_gb_s"] for r in per_loop + team),
+            "step_team_per_loop_ms": statistics.median(r["step_ms"] for r in per_loop),
+            "team_per_loop_over_floor": statistics.median(r["over_floor"] for r in per_loop),
+            "step_one_team_ms": statistics.median(r["step_ms"] for r in team),
+            "one_team_over_floor": statistics.median(r["over_floor"] for r in team),
+            "speedup": statistics.median(a["step_ms"] / b["step_ms"] for a, b in zip(per_loop, team)),
+        }
+        summary[batch] = row
+        print(f"| {batch} | {row['read_gb_s']:.1f} GB/s | {row['step_team_per_loop_ms']:.2f} ms "
+              f"| {row['team_per_loop_over_floor']:.2f}x | {row['step_one_team_ms']:.2f} ms "
+              f"| {row['one_team_over_floor']:.2f}x | {row['speedup']:.2f}x |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "dtype": args.dtype,
+                               "weight_bytes": weight_bytes, "summary": summary, "rounds": rounds}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
