@@ -26,18 +26,16 @@ Results: bench/results/decode_step.json; summary in bench/README.md.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from engine import QUESTIONS, make_engine, timed_call  # bench/
+from engine import decode_bench_args, native_on_smollm2, timed_call  # bench/
 from limits import MemoryReader  # bench/
 from machine import cpu_model  # bench/
 
@@ -124,24 +122,10 @@ def timed_steps(engine, prompt: list[int], batch: int, tag: str, compiled_sample
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batches", default="1,4,8")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", default=str(ROOT / "results" / "decode_step.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
-
-    model_dir = resolve_model_path("smollm2-135m-instruct")
+    args = decode_bench_args(__doc__, 1, 5, "1,4,8", "float32", ROOT / "results" / "decode_step.json")
     dtype = getattr(torch, args.dtype)
-    engine = make_engine("native", model_dir, dtype)
+    engine, _, prompt = native_on_smollm2("decode_step", dtype)
     burst = engine.decode_burst
-    if engine.model.compiled(dtype, torch.device("cpu")) is None:
-        sys.exit("decode_step: the native engine's compiled loops are not used here; nothing to compare")
-    prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
     reader = MemoryReader()
     batches = [int(b) for b in args.batches.split(",")]
     rounds = []

@@ -129,6 +129,33 @@ def timed_call(engine, batch: int) -> tuple[float, int]:
     return (time.perf_counter() - started) / count, count
 
 
+def decode_bench_args(doc: str, threads: int, rounds: int, batches: str, dtype: str, out: Path) -> argparse.Namespace:
+    """The arguments of a bench over native decode steps (bench/decode_step.py, bench/step_team.py), with these
+    defaults, parsed; torch then runs at --threads."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--batches", default=batches)
+    parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=str(out))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def native_on_smollm2(bench: str, dtype: torch.dtype):
+    """The native engine on SmolLM2-135M, its compiled loops, and QUESTIONS[0] as a chat prompt; exits, naming the
+    bench, where the loops are not used (nothing to compare)."""
+    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("smollm2-135m-instruct")
+    engine = make_engine("native", model_dir, dtype)
+    compiled = engine.model.compiled(dtype, torch.device("cpu"))
+    if compiled is None:
+        sys.exit(f"{bench}: the native engine's compiled loops are not used here; nothing to compare")
+    return engine, compiled, encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

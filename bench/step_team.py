@@ -13,15 +13,13 @@ bench/README.md, "One team for a step".
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-from engine import QUESTIONS, make_engine, timed_call  # bench/
+from engine import decode_bench_args, native_on_smollm2, timed_call  # bench/
 from limits import MemoryReader  # bench/
 from machine import cpu_model  # bench/
 
@@ -44,25 +42,10 @@ def decode_run(engine, prompt: list[int], batch: int, tag: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", default=str(ROOT / "results" / "step_team.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from colorl.models import encode_chat, load_tokenizer, resolve_model_path
-
-    model_dir = resolve_model_path("smollm2-135m-instruct")
+    args = decode_bench_args(__doc__, 2, 7, "1,8", "bfloat16", ROOT / "results" / "step_team.json")
     dtype = getattr(torch, args.dtype)
-    engine = make_engine("native", model_dir, dtype)
-    compiled = engine.model.compiled(dtype, torch.device("cpu"))
-    if compiled is None:
-        sys.exit("step_team: the native engine's compiled loops are not used here; nothing to compare")
+    engine, compiled, prompt = native_on_smollm2("step_team", dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    prompt = encode_chat(load_tokenizer(model_dir), QUESTIONS[0])
     reader = MemoryReader()
     batches = [int(b) for b in args.batches.split(",")]
     rounds = []
