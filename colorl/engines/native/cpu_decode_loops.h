@@ -143,6 +143,17 @@ static inline void NAMED(tile_x)(const ELEM *x, float *xp, int64_t B, int64_t K,
         for (int64_t i = 0, b = t * R; i < R; i++, b++) xp[(t * K + k) * R + i] = b < B ? LOAD1(x + b * K + k) : 0.0f;
 }
 
+/* A thread's share (id of nt) of x's tiles: one contiguous run of k's, in blocks of 16 (whole 64-byte lines of xp at
+ * R = 8 or 6 rows a k). Every other k, as it was, had both threads write every line of xp, which then crossed between
+ * their cores at each write: where the two cores sit on two CCDs (a cache line's round trip 370-430 ns against 80-140
+ * on one), float32 steps of 32 rows took 1.47x as long (bench/README.md, "Two CCDs"). */
+static inline void NAMED(tile_x_share)(const ELEM *x, float *xp, int64_t B, int64_t K, int64_t tiles, int64_t R,
+                                       int id, int nt) {
+    int64_t blocks = (K + 15) / 16, per = (blocks + nt - 1) / nt;
+    int64_t k0 = id * per * 16 < K ? id * per * 16 : K, k1 = (id + 1) * per * 16 < K ? (id + 1) * per * 16 : K;
+    for (int64_t k = k0; k < k1; k++) NAMED(tile_x)(x, xp, B, K, tiles, R, k);
+}
+
 #if defined(__AVX512F__)
 /* With AVX-512 the panels are groups of GROUP = 48 outputs, k-major ([N/GROUP, K, GROUP], N zero-padded to
  * whole groups): per k three 16-wide weight vectors, one after the other, and per row of x one broadcast that
@@ -226,7 +237,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
 static int NAMED(panels_many_share)(const ELEM *x, float *xp, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B,
                                     int64_t N, int64_t K, int id, int nt) {
     int64_t groups = (N + GROUP - 1) / GROUP, tiles = (B + GROUP_TILE - 1) / GROUP_TILE;
-    for (int64_t k = id; k < K; k += nt) NAMED(tile_x)(x, xp, B, K, tiles, GROUP_TILE, k);
+    NAMED(tile_x_share)(x, xp, B, K, tiles, GROUP_TILE, id, nt);
     team_barrier(nt); /* each thread reads the whole of x */
     /* tiles 1..P each ask for a share of the next block (the next group's first at the end) into L2, L lines a k
      * (a float32 k's three lines among them) */
@@ -348,7 +359,7 @@ static inline __attribute__((always_inline)) void NAMED(panel_rows)(const float 
 static int NAMED(panels_many_share)(const ELEM *x, float *xp, const ELEM *panels, const ELEM *bias, ELEM *y, int64_t B,
                                     int64_t N, int64_t K, int id, int nt) {
     int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL), tiles = (B + TILE - 1) / TILE;
-    for (int64_t k = id; k < K; k += nt) NAMED(tile_x)(x, xp, B, K, tiles, TILE, k);
+    NAMED(tile_x_share)(x, xp, B, K, tiles, TILE, id, nt);
     team_barrier(nt); /* each thread reads the whole of x */
     int64_t share = (pairs + nt - 1) / nt, q0 = id * share, q1 = q0 + share < pairs ? q0 + share : pairs;
     for (int64_t q = q0; q < q1; q++) {

@@ -22,8 +22,9 @@
  * together: a thread that went on alone would wait at the next barrier forever. */
 
 typedef struct {
-    int code;           /* the first error a share returned, 0 until then */
-    int64_t loop;       /* the loop it came from (count of loops since the step began) */
+    int64_t first;      /* the first error a share returned and the loop it came from (count of loops since the
+                           step began), as loop * 256 - code (codes are small negatives), 0 until then: one word, so
+                           that it is set and read without a lock */
     int64_t claimed[2]; /* tasks claimed so far (team_counter): one counter for even loops, one for odd */
     void *buffer;       /* what a loop's threads share (team_buffer), `bytes` of it, 64-byte aligned */
     size_t bytes;
@@ -55,22 +56,14 @@ static int team_meet(int code) {
     int64_t loop = team_loops++;
     if (loop == team_fault_loop && omp_get_thread_num() == omp_get_num_threads() - 1) code = COLORL_NO_MEMORY;
     if (code) {
-#pragma omp critical(colorl_team)
-        if (!team->code) {
-            team->code = code;
-            team->loop = loop;
-        }
+        int64_t none = 0; /* the first wins: every share of an earlier loop wrote before this loop began */
+        __atomic_compare_exchange_n(&team->first, &none, loop * 256 - code, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     }
     if (omp_get_thread_num() == 0) team->claimed[(loop + 1) & 1] = 0; /* for the next loop: this one's is in use */
 #pragma omp barrier
-    int seen;
-    int64_t at;
-#pragma omp critical(colorl_team)
-    {
-        seen = team->code;
-        at = team->loop;
-    }
-    return seen && at <= loop ? seen : 0;
+    /* a lock here, taken by every thread after every barrier, cost a cache line's trip between the cores per loop */
+    int64_t first = __atomic_load_n(&team->first, __ATOMIC_RELAXED);
+    return first && first / 256 <= loop ? (int)-(first % 256) : 0;
 }
 
 /* result = the first error of `share` (an expression of id and nt) run by `team` threads. Inside a step, `team` 1
