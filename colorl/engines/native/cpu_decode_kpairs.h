@@ -112,16 +112,22 @@ static void kpairs_store(const __m512 *c, int64_t R, uint16_t *y, int64_t B, int
             kpairs_sums(xt, wp, K2, R, first, 1, c);                                               \
         break;
 
+/* x's k-pairs in tiles ([K2, R] from each tile's first row b0), in whole 64-byte lines: one thread's copy. */
+static inline int64_t kpairs_x_words(int64_t B, int64_t K) {
+    int64_t packed = 0;
+    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) packed += KPAIR_ROWS(B, B - b0);
+    return (packed * ((K + 1) / 2) + 15) / 16 * 16;
+}
+
 /* One thread's share (id of nt, cpu_decode_team.h) of kpairs_fma_bf16: x's k-pairs laid out into xp with the
  * others, then its own contiguous run of pairs of panels, streamed once (the first tile of rows asks for them
  * ahead; the others re-read the pair, 18 KB at K = 576, from L1/L2). */
 static int kpairs_fma_share(const uint16_t *x, uint32_t *xp, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
                             int64_t B, int64_t N, int64_t K, int id, int nt) {
     int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
-    for (int64_t j = 64 * id; j < K2; j += 64 * nt) /* tile by tile from row b0: [K2, R] */
-        for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0))
-            kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0), j, j + 64 < K2 ? j + 64 : K2);
-    team_barrier(nt); /* each thread reads the whole of x */
+    xp += id * kpairs_x_words(B, K);
+    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) /* tile by tile from row b0: [K2, R] */
+        kpairs_of_x(x, xp + b0 * K2, B, K, b0, KPAIR_ROWS(B, B - b0), 0, K2);
     int64_t share = (pairs + nt - 1) / nt, q0 = id * share, q1 = q0 + share < pairs ? q0 + share : pairs;
     for (int64_t q = q0; q < q1; q++) {
         const uint16_t *wp = panels + q * kpairs_pair_size(K);
@@ -147,10 +153,9 @@ static int kpairs_fma_share(const uint16_t *x, uint32_t *xp, const uint16_t *pan
 /* y [B, N] = x [B, K] . w^T (+ bias) over w's k-pair panels, on the FMA units. */
 static int kpairs_fma_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t B,
                            int64_t N, int64_t K, int threads) {
-    int64_t K2 = (K + 1) / 2, pairs = (N + 2 * PANEL - 1) / (2 * PANEL), packed = 0;
-    for (int64_t b0 = 0; b0 < B; b0 += KPAIR_ROWS(B, B - b0)) packed += KPAIR_ROWS(B, B - b0);
+    int64_t pairs = (N + 2 * PANEL - 1) / (2 * PANEL);
     int own, code, team = threads > 1 && pairs >= (B <= 8 ? 8 : 2) * threads ? threads : 1;
-    uint32_t *xp = team_buffer(sizeof(uint32_t) * packed * K2, &own);
+    uint32_t *xp = team_buffer(sizeof(uint32_t) * kpairs_x_words(B, K) * team, &own);
     ON_TEAM(code, team, xp ? kpairs_fma_share(x, xp, panels, bias, y, B, N, K, id, nt) : COLORL_NO_MEMORY);
     if (own) free(xp);
     return code;

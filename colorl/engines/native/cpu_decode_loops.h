@@ -686,7 +686,7 @@ static size_t NAMED(step_bytes)(const decode_step_t *s) {
     int64_t K = s->hidden, attention = s->heads * s->head_dim;
     K = attention > K ? attention : K;
     K = s->intermediate > K ? s->intermediate : K;
-    return (size_t)(s->tokens + 16) * (size_t)(K + 32) * sizeof(float);
+    return (size_t)(s->tokens + 16) * (size_t)(K + 32) * sizeof(float) * (size_t)s->threads;
 }
 
 /* Every layer of a decode step, in order, on the step's team. Each layer takes the previous one's MLP output as its
