@@ -4,6 +4,7 @@ of its own, compute: the same tokens and the same bits at any thread count."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -96,3 +97,13 @@ def test_a_loop_that_fails_on_one_thread_stops_the_step_on_every_thread(compiled
 def rollout_of(folder, requests) -> list:
     with pinned(2):
         return NativeEngine(folder, EngineConfig(num_blocks=64, block_size=4)).generate(requests)
+
+
+def test_a_lines_round_trip_between_two_threads_is_measured(compiled):
+    """colorl_core_trip (bench/two_ccds.py tags its rounds with it): two threads hand one line back and forth; a
+    probe whose threads never met would hang (the timeout), one that skipped its trips would read 0."""
+    trip = compiled.core_trip_ns(trips=200, runs=3)
+    if len(os.sched_getaffinity(0)) < 2:
+        assert trip == 0.0
+    else:
+        assert 1.0 < trip < 1e7  # ns: a few tens near, a few hundred across two L3s, a time slice at worst

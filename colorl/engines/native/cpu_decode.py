@@ -23,6 +23,7 @@ import ctypes
 import functools
 import itertools
 import os
+import statistics
 import time
 from typing import Callable, Iterable
 
@@ -293,6 +294,8 @@ class CpuDecode:
         self._one_team = library.colorl_one_team
         self._one_team.argtypes, self._one_team.restype = [_int], _int
         self.one_team = self.use_one_team(switched_on("COLORL_CPU_DECODE_TEAM"))
+        self._core_trip = library.colorl_core_trip
+        self._core_trip.argtypes, self._core_trip.restype = [_i64], ctypes.c_double
 
     def use_stream_nta(self, on: bool) -> bool:
         """Products of 1-2 rows ask for their weights ahead non-temporally (on) or not at all, from now on: the
@@ -306,6 +309,12 @@ class CpuDecode:
         same arithmetic either way. COLORL_CPU_DECODE_TEAM=0 starts with a team per loop."""
         self.one_team = bool(self._one_team(int(on)))
         return self.one_team
+
+    def core_trip_ns(self, trips: int = 20000, runs: int = 5) -> float:
+        """A cache line's round trip between two of the loops' threads, ns (the median of `runs`; 0.0 where only
+        one thread runs): a step's barriers and shared lines cost a few of these each. Where it is several times
+        the usual 80-140 ns, the two cores sit on two L3s (two CCDs of an AMD CPU, or two sockets)."""
+        return statistics.median(self._core_trip(trips) for _ in range(runs))
 
     def use_amx(self, on: bool) -> bool:
         """Run the bf16 products over the panels (`panel_linear`, a decode step's products on the panels) on AMX

@@ -146,7 +146,9 @@ static inline void NAMED(tile_x)(const ELEM *x, float *xp, int64_t B, int64_t K,
 /* A thread's share (id of nt) of x's tiles: one contiguous run of k's, in blocks of 16 (whole 64-byte lines of xp at
  * R = 8 or 6 rows a k). Every other k, as it was, had both threads write every line of xp, which then crossed between
  * their cores at each write: where the two cores sit on two CCDs (a cache line's round trip 370-430 ns against 80-140
- * on one), float32 steps of 32 rows took 1.47x as long (bench/README.md, "Two CCDs"). */
+ * on one), float32 steps of 32 rows took 1.47x their time on one (39.3 against 26.7 ms), and 1.2x laid out in runs
+ * (bench/README.md, "Two CCDs"). A copy of x for each thread, as the bf16 k-pair loops lay out, took 1.06x as long
+ * as this: float32 tiles of x are twice their bytes. */
 static inline void NAMED(tile_x_share)(const ELEM *x, float *xp, int64_t B, int64_t K, int64_t tiles, int64_t R,
                                        int id, int nt) {
     int64_t blocks = (K + 15) / 16, per = (blocks + nt - 1) / nt;

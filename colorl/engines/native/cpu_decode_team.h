@@ -49,6 +49,33 @@ int colorl_team_fault(int64_t loop) {
     return 0;
 }
 
+/* A cache line's round trip between two threads of a team, in ns over `trips` trips (0 where fewer than two threads
+ * run): what each barrier, and each line one thread writes and the other reads, costs. About 80-140 ns where the two
+ * cores share an L3; 370-430 ns on a Zen 5 whose two vCPUs sat on two CCDs, where the read rate was 1.5x as high
+ * (bench/README.md, "Two CCDs"). bench/two_ccds.py tags its rounds with it. */
+double colorl_core_trip(int64_t trips) {
+    int64_t flag __attribute__((aligned(64))) = 0;
+    double ns = 0;
+    if (omp_get_num_procs() < 2) return 0; /* two threads on one CPU would hand the line over once a time slice */
+#pragma omp parallel num_threads(2)
+    if (omp_get_num_threads() == 2) {
+        int id = omp_get_thread_num();
+#pragma omp barrier
+        double started = omp_get_wtime();
+        for (int64_t i = 0; i < trips; i++) {
+            if (id == 0) {
+                __atomic_store_n(&flag, 2 * i + 1, __ATOMIC_RELEASE);
+                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 2 * i + 2) __builtin_ia32_pause();
+            } else {
+                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 2 * i + 1) __builtin_ia32_pause();
+                __atomic_store_n(&flag, 2 * i + 2, __ATOMIC_RELEASE);
+            }
+        }
+        if (id == 0) ns = (omp_get_wtime() - started) / (double)(trips > 0 ? trips : 1) * 1e9;
+    }
+    return ns;
+}
+
 /* After a loop on the step's team: every thread's share done, and the first error of this loop or an earlier one
  * (one that another thread met in the next loop, having left this barrier first, is that loop's). */
 static int team_meet(int code) {
