@@ -378,10 +378,15 @@ _UNION_TAGS = ("str", "int", "float", "bool")  # pydantic names the member of a 
 
 def _one_line(exc: ValidationError, raw: dict[str, Any]) -> str:
     error = exc.errors()[0]
-    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-", "literal[", "list[", "dict["))
-           and str(p) not in _UNION_TAGS]
-    key = ".".join(loc)
     kind = error["type"]
+    parts = [str(p) for p in error["loc"]]
+    if kind == "extra_forbidden":  # its last part is the user's key, whatever it looks like ('str', 'literal[')
+        parts, key_part = parts[:-1], parts[-1:]
+    else:
+        key_part = []
+    loc = [p for p in parts if not p.startswith(("function-", "literal[", "list[", "dict[")) and p not in _UNION_TAGS]
+    loc += key_part
+    key = ".".join(loc)
     if kind == "extra_forbidden":
         return f"unknown key {key!r}{_did_you_mean(loc)}"
     if kind == "value_error" and not loc:

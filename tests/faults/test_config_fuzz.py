@@ -64,6 +64,16 @@ def test_config_files_shaped_like_configs(capsys, tmp_path_factory, sections, mo
     check(capsys, ["train", str(path), "--dry-run"])
 
 
+@pytest.mark.parametrize("key", ["literal[", "str", "list[int]", "function-after"])
+def test_unknown_keys_named_like_pydantics_own_tags_are_named(capsys, tmp_path, key):
+    """pydantic's error locations name union members ('str', 'literal[...]') beside the config's keys; the error
+    line leaves those out, but a key the user wrote is never one of them (found by the fuzz above)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({key: None, "model": {"path": "tiny-random-llama"}}))
+    assert main(["train", str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"colorl: error: unknown key {key!r}; allowed: {sorted(Config.model_fields)}"
+
+
 @SETTINGS
 @given(items=st.lists(st.one_of(
     st.tuples(keys, values).map(lambda kv: f"{kv[0]}={yaml.safe_dump(kv[1], default_flow_style=True).strip()}"),
