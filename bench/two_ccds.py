@@ -106,6 +106,9 @@ def main() -> None:
     if loops is None:
         sys.exit(f"two_ccds: the native engine's compiled loops are not used here: {cpu_decode.why_not()}")
     trees = [Path(t).resolve() for t in args.trees.split(",")]
+    for tree in trees:  # else the child would import whichever colorl is installed, and say nothing
+        if not (tree / "colorl" / "__init__.py").is_file():
+            sys.exit(f"two_ccds: {tree} is not a colorl checkout (no colorl/__init__.py there)")
     rounds = []
     for chunk in range(args.chunks):
         for dtype in args.dtypes.split(","):
