@@ -123,7 +123,7 @@ static inline int64_t kpairs_x_words(int64_t B, int64_t K) {
  * holds one per thread, kpairs_x_words each), then its own contiguous run of pairs of panels, streamed once (the
  * first tile of rows asks for them ahead; the others re-read the pair, 18 KB at K = 576, from L1/L2). One copy laid
  * out by all, half by each, needed a barrier inside the product and had each thread read half its x from the other
- * core: where the two cores sit on two CCDs, bf16 steps of 32 rows took 1.09x as long so (bench/README.md, "Two
+ * core: where the two cores sit on two CCDs, bf16 steps of 32 rows took 1.06x as long so (bench/README.md, "Two
  * CCDs"). float32 keeps one copy (its tiles of x are twice the bytes: a copy each took 1.06x as long). */
 static int kpairs_fma_share(const uint16_t *x, uint32_t *xp, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
                             int64_t B, int64_t N, int64_t K, int id, int nt) {
