@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # the flags that change which kernels run (x86 names as /proc/cpuinfo spells them; arm64 Features)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "asimd", "sve", "sve2", "bf16")
 # environment variables that change which kernels third-party code picks on the same CPU
-ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "COLORL_CPU_DECODE_ARCH")
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "COLORL_CPU_DECODE_ARCH", "COLORL_CPU_DECODE_TUNE")
 
 
 @dataclass(frozen=True)

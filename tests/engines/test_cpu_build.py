@@ -4,6 +4,7 @@ loops join torch's OpenMP runtime."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from colorl.engines.native import cpu_build
+from colorl.machine import cpu_identity
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or shutil.which(os.environ.get("CC") or "cc") is None,
@@ -146,3 +148,29 @@ def test_ranks_starting_together_build_once(tmp_path):
     assert [p.communicate(timeout=300)[0].split()[0] for p in processes] == ["loaded"] * 3
     assert len(list((cache / "cpu_decode").glob("*.so"))) == 1
     assert not list((cache / "cpu_decode").glob(".*"))  # no temporary left behind
+
+
+# a 20-row product (two whole tiles of 8 and a part one) against each of its rows alone through the few-rows loop
+SAME_BITS = ("import torch; import colorl.engines.native.cpu_decode as c; lib = c.load(); assert lib is not None, "
+             "c.why_not(); g = torch.Generator().manual_seed(5); x = torch.randn(20, 400, generator=g); "
+             "w = torch.randn(222, 400, generator=g); p = lib.pack_panels(w); y = lib.panel_linear(x, p, 222, None); "
+             "print(sum(not torch.equal(y[r:r + 1], lib.panel_linear(x[r:r + 1], p, 222, None)) for r in range(20)))")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_identity().flags,
+                    reason="builds the AVX2 loops, which run on an x86 CPU with AVX2")
+def test_loops_tuned_for_a_zen_3_sum_alike_in_every_loop(tmp_path):
+    """GCC tunes a Zen 3 build (-march=native there) to leave some of a loop's a * b + c unfused, which gave a
+    20-row product's rows other bits than the same rows alone on a Zen 3 (so a sequence's tokens depended on its
+    batch). Built for that tuning on any x86 CPU, every row must have the same bits (cpu_build.GCC_EXACT_FLAGS)."""
+    version = subprocess.run([*cpu_build.compiler(), "--version"], capture_output=True, text=True).stdout
+    if not cpu_build.exact_flags(version):
+        pytest.skip("not GCC: its FMA-chain tuning is what this guards against")
+    env = {**os.environ, "COLORL_CACHE": str(tmp_path), "COLORL_CPU_DECODE_ARCH": "x86-64-v3",
+           "COLORL_CPU_DECODE_TUNE": "znver3"}
+    env.pop("COLORL_CPU_DECODE", None)
+    done = subprocess.run([sys.executable, "-c", SAME_BITS], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "0", "rows whose bits differ from the same row alone: " + done.stdout
+    (manifest,) = (tmp_path / "cpu_decode").glob("*.json")
+    assert "-mtune=znver3" in manifest.read_text() and cpu_build.GCC_EXACT_FLAGS[0] in manifest.read_text()

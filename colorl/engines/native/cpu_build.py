@@ -41,6 +41,11 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_decode_team.h", "cpu_decode_loops.h", "cpu_decode_kpairs.h"))  # included by SOURCE
 COMPILE_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-std=gnu11")
+# GCC's tuning for some CPUs (Zen 2 and 3: -march=native there is -mtune=znver3) leaves a loop's a * b + c unfused
+# where it sees a chain of FMAs, and fuses the same sum in another loop: two loops that add the same products in the
+# same order then differ in their last bits, and with them the engine's tokens by row count (on a Zen 3 the 20-row
+# product's rows differed from the same rows alone). Fused everywhere, the bits are the same under any tuning.
+GCC_EXACT_FLAGS = ("--param=avoid-fma-max-bits=0",)
 ARCHES = ("x86_64", "amd64", "aarch64", "arm64")
 OPENMP_NAMES = ("libgomp", "libiomp5", "libomp")
 
@@ -97,6 +102,19 @@ def march() -> str:
     """`COLORL_CPU_DECODE_ARCH` (a -march value, e.g. x86-64-v3 for AVX2) builds for an older CPU than this
     one: `make test-avx2` runs the loops as an AVX2-only machine would."""
     return os.environ.get("COLORL_CPU_DECODE_ARCH") or "native"
+
+
+def tune_flags() -> tuple[str, ...]:
+    """`COLORL_CPU_DECODE_TUNE` (a -mtune value, e.g. znver3) tunes the loops for another CPU than -march's: `make
+    test-avx2` builds for an AVX2-only Zen 3 on any x86 CPU, tuning included (GCC's tuning once changed the bits)."""
+    tune = os.environ.get("COLORL_CPU_DECODE_TUNE")
+    return (f"-mtune={tune}",) if tune else ()
+
+
+def exact_flags(version: str) -> tuple[str, ...]:
+    """The flags that keep every loop's sums fused (GCC_EXACT_FLAGS) where the compiler is GCC; clang fuses them all
+    under -ffp-contract=fast and knows no such parameter."""
+    return GCC_EXACT_FLAGS if "Free Software Foundation" in version and "clang" not in version.lower() else ()
 
 
 def openmp_runtime() -> Path:
@@ -157,7 +175,8 @@ class Builder:
         except (OSError, subprocess.SubprocessError) as exc:
             raise LoopsUnavailable(f"the C compiler {self.command[0]} does not run ({exc})") from None
         self.runtime = openmp_runtime()
-        self.compile_flags = (f"-march={march()}", *COMPILE_FLAGS, *_openmp_compile_flags(self.version))
+        self.compile_flags = (f"-march={march()}", *tune_flags(), *COMPILE_FLAGS, *exact_flags(self.version),
+                              *_openmp_compile_flags(self.version))
         self.build = _digest([SOURCE.read_text(), *(header.read_text() for header in HEADERS), " ".join(self.compile_flags),
                               " ".join(self.command), self.version, machine_key(), str(self.runtime)])
         self.library = self.folder / f"{self.build}.so"

@@ -56,13 +56,12 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     decided yet (as the first run here would)."""
     from colorl import kernels, precision
     from colorl.engines.native import cpu_decode
-    from colorl.machine import cpu_summary
+    from colorl.machine import ISA_VARIABLES, cpu_summary
     from colorl.verdicts import kept_verdict
 
     lines = [f"cpu: {cpu_summary()}"]
     runs = sorted(_short(d) for d in kernels.onednn_dtypes())
-    caps = " ".join(f"{name}={os.environ[name]}" for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
-                                                               "COLORL_CPU_DECODE_ARCH") if os.environ.get(name))
+    caps = " ".join(f"{name}={os.environ[name]}" for name in ISA_VARIABLES if os.environ.get(name))
     lines.append(f"oneDNN runs: {', '.join(runs) or 'nothing (off, not x86, or not in this torch)'}"
                  + (f" ({caps})" if caps else ""))
     library = cpu_decode.load()
