@@ -66,7 +66,8 @@ def test_a_steps_team_computes_what_a_team_per_loop_computes_at_any_thread_count
     assert [len(r.output_ids) for r in reference] == [4 + 2 * i for i in range(11)]
 
 
-@pytest.mark.parametrize("loop", [0, 7, 30])  # a norm (one thread at one row), a product, a later layer's loop
+# the first product (a few rows' norms are no loop of their own), a later one, a later layer's
+@pytest.mark.parametrize("loop", [0, 7, 30])
 def test_a_loop_that_fails_on_one_thread_stops_the_step_on_every_thread(compiled, wide_model, monkeypatch, loop):
     """The step's last thread alone fails one of its loops (colorl_team_fault, as a share whose memory ran out
     would): every thread of the team stops at that loop's barrier (one that went on alone would wait at the next

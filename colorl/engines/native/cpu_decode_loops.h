@@ -466,22 +466,31 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
  * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
  * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
- * ([slots, 2, Hkv, D]). rope_write_row does one token's row; the whole-layer call splits the rows among its
- * threads (split_rope_write_kv), this entry runs them in turn. Both check every slot and position first. */
+ * ([slots, 2, Hkv, D]). rope_write_row does one token's row, this entry runs them in turn; in the whole-layer call
+ * each attention task does its own heads first (rope_write_heads, paged_decode_share). Both check every slot and
+ * position first. */
+static inline void NAMED(rope_write_heads)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                                           const float *sin, const int64_t *positions, const int64_t *slots,
+                                           ELEM *cache, int64_t h0, int64_t h1) {
+    int64_t width = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
+    ELEM *row = qkv + t * width, *written = cache + slots[t] * 2 * Hkv * D;
+    const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+    for (int64_t part = 0; part < 2; part++) /* the query heads of KV heads [h0, h1), then those KV heads' keys */
+        for (int64_t h = part ? H + h0 : h0 * group; h < (part ? H + h1 : h1 * group); h++) {
+            ELEM *v = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = LOAD1(v + i), b = LOAD1(v + i + half);
+                STORE1(v + i, a * ROUND1(c[i]) - b * ROUND1(s[i]));
+                STORE1(v + i + half, b * ROUND1(c[i + half]) + a * ROUND1(s[i + half]));
+            }
+        }
+    memcpy(written + h0 * D, row + (H + h0) * D, (h1 - h0) * D * sizeof(ELEM));                     /* keys */
+    memcpy(written + (Hkv + h0) * D, row + (H + Hkv + h0) * D, (h1 - h0) * D * sizeof(ELEM)); /* values */
+}
+
 static inline void NAMED(rope_write_row)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
                                          const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
-    int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-    ELEM *row = qkv + t * width;
-    const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
-    for (int64_t h = 0; h < H + Hkv; h++) {
-        ELEM *v = row + h * D;
-        for (int64_t i = 0; i < half; i++) {
-            float a = LOAD1(v + i), b = LOAD1(v + i + half);
-            STORE1(v + i, a * ROUND1(c[i]) - b * ROUND1(s[i]));
-            STORE1(v + i + half, b * ROUND1(c[i + half]) + a * ROUND1(s[i + half]));
-        }
-    }
-    memcpy(cache + slots[t] * 2 * Hkv * D, row + H * D, 2 * Hkv * D * sizeof(ELEM));
+    NAMED(rope_write_heads)(qkv, t, H, Hkv, D, cos, sin, positions, slots, cache, 0, Hkv);
 }
 
 int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
@@ -577,32 +586,46 @@ static int NAMED(decode_sequence)(const ELEM *q, const ELEM *cache, const int64_
 
 /* One thread's share (id of nt, cpu_decode_team.h) of colorl_paged_decode: the tasks it claims in turn from
  * *claimed (schedule(dynamic, 1): sequences' contexts differ in length). In bf16 a task is a sequence, or, with fewer
- * sequences than `threads`, a share of its KV heads (shares of them); in float32 a (sequence, KV head). */
-static int NAMED(paged_decode_share)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
-                                     int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H,
-                                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t shares,
-                                     int64_t *claimed, int nt) {
+ * sequences than `threads`, a share of its KV heads (shares of them); in float32 a (sequence, KV head). With `rope`
+ * (a whole layer's step, q its fused projection's rows) a task first rotates its own query and KV heads and writes its
+ * KV heads' keys and values (rope_write_heads): no other task reads them, so RoPE needs no loop and no barrier of its
+ * own, and each value is computed as colorl_rope_write_kv computes it. */
+static int NAMED(paged_decode_share)(ELEM *q, int64_t q_stride, ELEM *cache, const int64_t *tables, int64_t width,
+                                     const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv, int64_t D,
+                                     int64_t block_size, float scale, int64_t shares, int64_t *claimed, int nt,
+                                     const decode_step_t *rope) {
     int64_t tasks = S * shares, row_bytes = 2 * Hkv * D * (int64_t)sizeof(ELEM);
     int code = 0;
     for (int64_t task = team_claim(claimed); task < tasks; task = team_claim(claimed)) {
         int64_t s = task / shares, share = task % shares;
+#if STAGE_KV
+        int64_t h0 = share * Hkv / shares, h1 = (share + 1) * Hkv / shares;
+#else
+        int64_t h0 = share, h1 = share + 1;
+#endif
+        if (rope)
+            NAMED(rope_write_heads)(q, s, H, Hkv, D, rope->cos, rope->sin, rope->positions, rope->slots, cache, h0, h1);
         ask_for_sequences(cache, tables, width, lengths, block_size, row_bytes, task, tasks, shares, nt);
 #if STAGE_KV
         int failed = NAMED(decode_sequence)(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H,
-                                            Hkv, D, block_size, scale, share * Hkv / shares, (share + 1) * Hkv / shares);
+                                            Hkv, D, block_size, scale, h0, h1);
 #else
         int failed = decode_head(q + s * q_stride, cache, tables + s * width, lengths[s], out + s * H * D, H, Hkv, D,
-                                 block_size, scale, share);
+                                 block_size, scale, h0);
 #endif
         code = code ? code : failed;
     }
     return code;
 }
 
-int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
-                               int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
-                               int64_t D, int64_t block_size, float scale, int threads, int64_t num_slots) {
+/* The attention's loop over S sequences, after RoPE where `rope` is given (paged_decode_share). */
+static int NAMED(paged_attend)(ELEM *q, int64_t q_stride, ELEM *cache, const int64_t *tables, int64_t width,
+                               const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv, int64_t D,
+                               int64_t block_size, float scale, int threads, int64_t num_slots,
+                               const decode_step_t *rope) {
     if (check_tables(tables, width, lengths, S, block_size, num_slots)) return COLORL_OUT_OF_RANGE;
+    if (rope && check_writes(rope->slots, rope->positions, S, rope->num_slots, rope->num_positions))
+        return COLORL_OUT_OF_RANGE;
 #if STAGE_KV
     int64_t shares = S < threads ? (threads < Hkv ? threads : Hkv) : 1; /* of each sequence's KV heads */
 #else
@@ -612,8 +635,16 @@ int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cach
     int code;
     ON_TEAM(code, threads > 1 && S * shares > 1 ? threads : 1,
             NAMED(paged_decode_share)(q, q_stride, cache, tables, width, lengths, out, S, H, Hkv, D, block_size, scale,
-                                      shares, claimed, nt));
+                                      shares, claimed, nt, rope));
     return code;
+}
+
+int NAMED(colorl_paged_decode)(const ELEM *q, int64_t q_stride, const ELEM *cache, const int64_t *tables,
+                               int64_t width, const int64_t *lengths, ELEM *out, int64_t S, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t block_size, float scale, int threads, int64_t num_slots) {
+    /* without RoPE nothing writes q or the cache */
+    return NAMED(paged_attend)((ELEM *)q, q_stride, (ELEM *)cache, tables, width, lengths, out, S, H, Hkv, D,
+                               block_size, scale, threads, num_slots, NULL);
 }
 
 /* ---------------------------------------------------------------- a whole decoder layer
@@ -632,8 +663,9 @@ static int NAMED(product)(const ELEM *x, const ELEM *w, const ELEM *panels, cons
     return NAMED(colorl_panels)(x, panels, bias, y, T, N, K, threads);
 }
 
-/* The norms, the SiLU, RoPE with the K/V write and the logits' widening work row by row: inside the step's team
- * (cpu_decode_team.h) the rows are split among its threads from two rows on, which otherwise wait at the next
+/* The norms, the SiLU and the logits' widening work row by row: inside the step's team (cpu_decode_team.h) the rows
+ * are split among its threads from two rows on (a layer's norms of up to OWN_NORM_ROWS rows instead run whole on
+ * every thread, with no barrier: norm_rows), which otherwise wait at the next
  * product's barrier while one thread runs them (at 32 rows of bf16 on the AMX Xeon, 13 % of a step's time:
  * bench/README.md, "Where a batch of 32 spends its step"); with a team forked per loop (colorl_one_team(0)), from
  * SPLIT_ROWS rows on. Each row's loop is the one the per-operation path runs, so the bits are the same.
@@ -650,31 +682,66 @@ static int NAMED(split_norm)(ELEM *x, const ELEM *add, const ELEM *weight, ELEM 
     return code;
 }
 
-/* colorl_rope_write_kv's rows, split as above. */
-static int NAMED(split_rope_write_kv)(ELEM *qkv, const decode_step_t *s, ELEM *cache) {
-    if (check_writes(s->slots, s->positions, s->tokens, s->num_slots, s->num_positions)) return COLORL_OUT_OF_RANGE;
-    int code;
-    EACH_ROW(code, s->tokens, s->threads,
-             NAMED(rope_write_row)(qkv, t, s->heads, s->kv_heads, s->head_dim, s->cos, s->sin, s->positions, s->slots, cache));
-    return code;
+/* Up to this many rows, on a step's team of two or more threads, each thread runs a layer's two norms over every row
+ * for itself (norm_rows), so that the next product's x needs no barrier: a few us of arithmetic a norm, against a
+ * barrier whose wait (a line's round trip per thread, and the threads' spread) a step pays about 300 times. */
+#define OWN_NORM_ROWS 8
+
+static inline int NAMED(own_norms)(const decode_step_t *s) {
+    return step_team && omp_get_num_threads() > 1 && s->tokens <= OWN_NORM_ROWS;
 }
 
-/* One layer, on the step's team. */
+/* The step's own bytes (team_layer) for own_norms: the stream's second copy [T, C], then each thread's normed rows
+ * [T, C] and a row [C], each at a 64-byte boundary. */
+static size_t NAMED(own_rows_bytes)(const decode_step_t *s) {
+    return ((size_t)(s->tokens + 1) * (size_t)s->hidden * sizeof(ELEM) + 63) / 64 * 64;
+}
+static size_t NAMED(layer_bytes)(const decode_step_t *s) {
+    return NAMED(own_rows_bytes)(s) * (size_t)(s->threads + 1);
+}
+
+/* Each row's add and norm, on this thread for itself, no barrier: the normed rows into h (this thread's own: the next
+ * product's x), the stream's new rows into stream_out, which no thread reads in this loop (not x: another thread may
+ * still read x's row), each row written by one thread. Per row the same colorl_add_rms_norm as split_norm, so the
+ * same bits. */
+static void NAMED(norm_rows)(const ELEM *x, const ELEM *add, const ELEM *weight, ELEM *h, ELEM *stream_out, int64_t T,
+                             int64_t C, float eps) {
+    int id = omp_get_thread_num(), nt = omp_get_num_threads();
+    ELEM *row = h + T * C;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(row, x + t * C, sizeof(ELEM) * C);
+        NAMED(colorl_add_rms_norm)(row, add ? add + t * C : NULL, weight, h + t * C, 1, C, eps);
+        if (t % nt == id) memcpy(stream_out + t * C, row, sizeof(ELEM) * C);
+    }
+}
+
+/* One layer, on the step's team. With own_norms the stream goes from x to the step's second copy at the first norm
+ * and back at the second, and each product reads its own thread's normed rows. */
 static int NAMED(decode_layer)(ELEM *x, const ELEM *delta, ELEM *out, ELEM *scratch, const decode_layer_t *l,
                                const decode_step_t *s) {
     int64_t T = s->tokens, C = s->hidden, H = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
     int64_t width = (H + 2 * Hkv) * D;
     ELEM *h = scratch, *qkv = h + T * C, *attn = qkv + T * width, *gate_up = attn + T * H * D, *act = gate_up + T * 2 * I,
          *o = act + T * I;
-    int code;
-    if ((code = NAMED(split_norm)(x, delta, l->input_norm, h, T, C, s->eps, s->threads))) return code;
+    int code, own = NAMED(own_norms)(s);
+    ELEM *second = x;
+    if (own) {
+        size_t bytes = NAMED(own_rows_bytes)(s);
+        second = team_layer();
+        h = (ELEM *)((char *)second + bytes * (size_t)(1 + omp_get_thread_num()));
+        NAMED(norm_rows)(x, delta, l->input_norm, h, second, T, C, s->eps);
+    } else if ((code = NAMED(split_norm)(x, delta, l->input_norm, h, T, C, s->eps, s->threads))) {
+        return code;
+    }
     if ((code = NAMED(product)(h, l->w_qkv, l->p_qkv, l->b_qkv, qkv, T, width, C, s->threads))) return code;
-    if ((code = NAMED(split_rope_write_kv)(qkv, s, l->cache))) return code;
-    if ((code = NAMED(colorl_paged_decode)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
-                                           s->block_size, s->scale, s->threads, s->num_slots)))
+    if ((code = NAMED(paged_attend)(qkv, width, l->cache, s->tables, s->width, s->lengths, attn, T, H, Hkv, D,
+                                    s->block_size, s->scale, s->threads, s->num_slots, s)))
         return code;
     if ((code = NAMED(product)(attn, l->w_o, l->p_o, l->b_o, o, T, C, H * D, s->threads))) return code;
-    if ((code = NAMED(split_norm)(x, o, l->post_norm, h, T, C, s->eps, s->threads))) return code;
+    if (own)
+        NAMED(norm_rows)(second, o, l->post_norm, h, x, T, C, s->eps);
+    else if ((code = NAMED(split_norm)(x, o, l->post_norm, h, T, C, s->eps, s->threads)))
+        return code;
     if ((code = NAMED(product)(h, l->w_gate_up, l->p_gate_up, l->b_gate_up, gate_up, T, 2 * I, C, s->threads)))
         return code;
     EACH_ROW(code, T, s->threads, NAMED(colorl_silu_mul)(gate_up + t * 2 * I, act + t * I, 1, I));
@@ -712,7 +779,8 @@ static int NAMED(decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
 int NAMED(colorl_decode_layers)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                 const decode_step_t *s) {
     int code;
-    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s), NAMED(decode_layers)(x, out, scratch, layers, count, s));
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s), NAMED(layer_bytes)(s),
+              NAMED(decode_layers)(x, out, scratch, layers, count, s));
     return code;
 }
 
@@ -739,7 +807,7 @@ static int NAMED(decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_
 int NAMED(colorl_decode_logits)(ELEM *x, ELEM *out, ELEM *scratch, const decode_layer_t *layers, int64_t count,
                                 const decode_step_t *s, const decode_head_t *head, float *logits) {
     int code;
-    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s),
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s), NAMED(layer_bytes)(s),
               NAMED(decode_logits)(x, out, scratch, layers, count, s, head, logits));
     return code;
 }
@@ -804,7 +872,7 @@ int NAMED(colorl_decode_burst)(ELEM *x, ELEM *out, ELEM *scratch, const decode_l
     memcpy(moved + T, s->lengths, sizeof(int64_t) * T);
     *done = 0;
     int code;
-    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s),
+    STEP_TEAM(code, s->threads, NAMED(step_bytes)(s), NAMED(layer_bytes)(s),
               NAMED(decode_burst)(x, out, scratch, layers, count, s, head, logits, embed, temperatures, steps, slots, u,
                                   stops, offsets, tokens, logps, done, moved));
     free(moved);

@@ -28,6 +28,7 @@ typedef struct {
     int64_t claimed[2]; /* tasks claimed so far (team_counter): one counter for even loops, one for odd */
     void *buffer;       /* what a loop's threads share (team_buffer), `bytes` of it, 64-byte aligned */
     size_t bytes;
+    void *layer;        /* what the step's own loops keep apart from the products' (team_layer), 64-byte aligned */
 } team_t;
 
 static __thread team_t *step_team = NULL; /* the step's, while this thread runs in it */
@@ -135,21 +136,25 @@ static void *team_buffer(size_t bytes, int *own) {
 static inline int64_t *team_counter(int64_t *own) { return step_team ? &step_team->claimed[team_loops & 1] : own; }
 static inline int64_t team_claim(int64_t *counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED); }
 
+/* The step's `layer` bytes (STEP_TEAM), the same on every thread of the step; NULL outside a step. */
+static inline void *team_layer(void) { return step_team ? step_team->layer : NULL; }
+
 /* result = `body` (an expression, 0 or a COLORL_* code) run on every thread of one team of `threads` for a whole step,
- * its loops on that team (ON_TEAM), sharing `shared` bytes for their x (team_buffer). Every thread leaves `body` with the
- * same result. */
-#define STEP_TEAM(result, threads, shared, body)                                                                  \
+ * its loops on that team (ON_TEAM), sharing `shared` bytes for their x (team_buffer) and `layer` bytes for the step's
+ * own loops (team_layer). Every thread leaves `body` with the same result. */
+#define STEP_TEAM(result, threads, shared, layer_bytes, body)                                                     \
     do {                                                                                                          \
         team_t team_ = {0};                                                                                       \
         int step_code_ = 0, step_threads_ = (threads);                                                            \
         if (one_team) {                                                                                           \
             team_.bytes = (shared);                                                                               \
             team_.buffer = aligned_alloc(64, (team_.bytes + 63) / 64 * 64);                                      \
-            step_code_ = team_.buffer ? 0 : COLORL_NO_MEMORY;                                                     \
+            team_.layer = aligned_alloc(64, ((size_t)(layer_bytes) + 63) / 64 * 64 + 64);                        \
+            step_code_ = team_.buffer && team_.layer ? 0 : COLORL_NO_MEMORY;                                      \
         }                                                                                                         \
         if (!one_team) {                                                                                          \
             step_code_ = (body); /* no step team: each loop forks its own */                                      \
-        } else if (team_.buffer) {                                                                                \
+        } else if (team_.buffer && team_.layer) {                                                                 \
             _Pragma("omp parallel num_threads(step_threads_)") {                                                  \
                 step_team = &team_;                                                                               \
                 team_loops = 0;                                                                                   \
@@ -159,5 +164,6 @@ static inline int64_t team_claim(int64_t *counter) { return __atomic_fetch_add(c
             }                                                                                                     \
         }                                                                                                         \
         free(team_.buffer);                                                                                       \
+        free(team_.layer);                                                                                        \
         (result) = step_code_;                                                                                    \
     } while (0)
