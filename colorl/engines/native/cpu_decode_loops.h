@@ -692,12 +692,12 @@ static inline int NAMED(own_norms)(const decode_step_t *s) {
 }
 
 /* The step's own bytes (team_layer) for own_norms: the stream's second copy [T, C], then each thread's normed rows
- * [T, C] and a row [C], each at a 64-byte boundary. */
+ * [T, C] and a row [C], each at a 64-byte boundary; none for more rows. */
 static size_t NAMED(own_rows_bytes)(const decode_step_t *s) {
     return ((size_t)(s->tokens + 1) * (size_t)s->hidden * sizeof(ELEM) + 63) / 64 * 64;
 }
 static size_t NAMED(layer_bytes)(const decode_step_t *s) {
-    return NAMED(own_rows_bytes)(s) * (size_t)(s->threads + 1);
+    return s->tokens <= OWN_NORM_ROWS ? NAMED(own_rows_bytes)(s) * (size_t)(s->threads + 1) : 0;
 }
 
 /* Each row's add and norm, on this thread for itself, no barrier: the normed rows into h (this thread's own: the next
