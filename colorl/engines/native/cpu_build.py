@@ -41,7 +41,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_decode_team.h", "cpu_decode_loops.h", "cpu_decode_kpairs.h"))  # included by SOURCE
 COMPILE_FLAGS = ("-O3", "-ffp-contract=fast", "-fPIC", "-std=gnu11")
-# GCC's tuning for some CPUs (Zen 2 and 3: -march=native there is -mtune=znver3) leaves a loop's a * b + c unfused
+# GCC's tuning for some CPUs (a Zen 2 or 3: -march=native there tunes for znver2 or 3) leaves a loop's a * b + c unfused
 # where it sees a chain of FMAs, and fuses the same sum in another loop: two loops that add the same products in the
 # same order then differ in their last bits, and with them the engine's tokens by row count (on a Zen 3 the 20-row
 # product's rows differed from the same rows alone). Fused everywhere, the bits are the same under any tuning.
