@@ -147,9 +147,12 @@ def race_onednn_training(dtype: torch.dtype) -> dict:
     weights as the trainer's change every step, through colorl.verdicts.stable_race."""
     from colorl.verdicts import stable_race
 
-    onednn = training_layer(dtype, lambda x, weight: OneDNNLinear.apply(x, weight, None, RACED))
-    default = training_layer(dtype, F.linear)
-    return stable_race({"onednn": (onednn, default)})
+    # the race runs where a product first asks for its verdict: in bounded-lag mode that can be under the engine's
+    # no_grad or inference_mode, where a backward has nothing to run through (a crash at the first step)
+    with torch.inference_mode(False), torch.enable_grad():
+        onednn = training_layer(dtype, lambda x, weight: OneDNNLinear.apply(x, weight, None, RACED))
+        default = training_layer(dtype, F.linear)
+        return stable_race({"onednn": (onednn, default)})
 
 
 def forced_onednn() -> bool | None:
