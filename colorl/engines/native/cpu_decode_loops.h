@@ -466,9 +466,9 @@ int NAMED(colorl_panels)(const ELEM *x, const ELEM *panels, const ELEM *bias, EL
  * qkv: [T, (H + 2 Hkv) * D] rows of the fused projection. Rotates q and k in place (HF's
  * rotate_half layout: pairs (i, i + D/2)) with the float32 cos/sin tables [P, D] at each token's
  * position (rounded to ELEM, as HF casts them), then writes k and v to cache[slot]
- * ([slots, 2, Hkv, D]). rope_write_row does one token's row, this entry runs them in turn; in the whole-layer call
- * each attention task does its own heads first (rope_write_heads, paged_decode_share). Both check every slot and
- * position first. */
+ * ([slots, 2, Hkv, D]). rope_write_heads does one token's KV heads [h0, h1) and their query heads: this entry runs
+ * every row's whole, in turn; in the whole-layer call each attention task does its own heads first
+ * (paged_decode_share). Both check every slot and position first. */
 static inline void NAMED(rope_write_heads)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
                                            const float *sin, const int64_t *positions, const int64_t *slots,
                                            ELEM *cache, int64_t h0, int64_t h1) {
@@ -488,16 +488,12 @@ static inline void NAMED(rope_write_heads)(ELEM *qkv, int64_t t, int64_t H, int6
     memcpy(written + (Hkv + h0) * D, row + (H + Hkv + h0) * D, (h1 - h0) * D * sizeof(ELEM)); /* values */
 }
 
-static inline void NAMED(rope_write_row)(ELEM *qkv, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos,
-                                         const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache) {
-    NAMED(rope_write_heads)(qkv, t, H, Hkv, D, cos, sin, positions, slots, cache, 0, Hkv);
-}
-
 int NAMED(colorl_rope_write_kv)(ELEM *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float *cos,
                                 const float *sin, const int64_t *positions, const int64_t *slots, ELEM *cache,
                                 int64_t num_slots, int64_t num_positions) {
     if (check_writes(slots, positions, T, num_slots, num_positions)) return COLORL_OUT_OF_RANGE;
-    for (int64_t t = 0; t < T; t++) NAMED(rope_write_row)(qkv, t, H, Hkv, D, cos, sin, positions, slots, cache);
+    for (int64_t t = 0; t < T; t++)
+        NAMED(rope_write_heads)(qkv, t, H, Hkv, D, cos, sin, positions, slots, cache, 0, Hkv);
     return 0;
 }
 
