@@ -15,7 +15,7 @@ import torch
 # not raced, so that what a test sees does not depend on the CPU it runs on or on how busy it is. The races
 # themselves are tested directly (tests/test_kernels.py, tests/test_verdicts.py, tests/engines/test_cpu_decode.py).
 DEFAULT_VERDICTS = {"COLORL_ONEDNN": "1", "COLORL_CPU_DECODE_ROWS": "all", "COLORL_CPU_DECODE_PANEL_ROWS": "all",
-                    "COLORL_BF16": "0"}
+                    "COLORL_CPU_DECODE_ASK": "nta", "COLORL_BF16": "0"}
 
 
 def pytest_configure(config):

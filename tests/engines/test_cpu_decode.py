@@ -114,36 +114,104 @@ def test_bf16_panels_on_amx_tiles_equal_the_float32_product_rounded_once(compile
 
 
 @pytest.mark.parametrize("dtype", cpu_decode.DTYPES)
-def test_asking_for_the_weights_non_temporally_changes_no_bit(compiled, dtype, monkeypatch):
-    """Products of 1-2 rows ask for their weights ahead with prefetchnta, or with COLORL_CPU_DECODE_NTA=0 not at
-    all: a choice of cache traffic, never of arithmetic. Both kernels (the rows kernel and the panels), 1-3 rows
-    (3 asks into L2 either way), the same bits; `colorl doctor --kernels` says when they ask for none, and the
-    variable reads as documented."""
+def test_every_way_of_asking_for_the_weights_gives_the_same_bits(compiled, dtype, monkeypatch):
+    """Products of 1-2 rows ask for their weights ahead into L2, non-temporally or not at all, as raced or forced
+    by COLORL_CPU_DECODE_ASK: a choice of cache traffic, never of arithmetic. Both kernels (the rows kernel and the
+    panels), 1-3 rows (3 asks into L2 whatever the way), the same bits; the way is set by each call over 1-2 rows,
+    `colorl doctor --kernels` names it, and the variable reads as documented."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(1000, 576, generator=gen).to(dtype)
     panels = compiled.pack_panels(weight)
-    assert compiled.stream_nta == cpu_decode.nta_wanted()  # as loaded: on unless COLORL_CPU_DECODE_NTA=0
-    try:
-        for rows in (1, 2, 3):
-            x = torch.randn(rows, 576, generator=gen).to(dtype)
-            outs = []
-            for on in (True, False):
-                assert compiled.use_stream_nta(on) is on
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
+        outs = []
+        for ask in cpu_decode.FEW_ROWS_ASKS:
+            compiled.use_few_rows_ask("none" if ask != "none" else "l2")  # a call over 1-2 rows sets it again
+            with compiled.asking(ask):
                 outs.append((compiled.linear(x, weight, None), compiled.panel_linear(x, panels, 1000, None)))
-            for a, b in zip(*outs):
-                assert torch.equal(a, b)
-            assert_float32_sums_rounded_once(outs[0][0], x, weight, None)
-        monkeypatch.setenv("COLORL_ONEDNN", "0")  # no race: the report as `colorl doctor --kernels` prints it
-        monkeypatch.setenv("COLORL_CPU_DECODE_ROWS", "1,2")
-        assert any("1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)" in line for line in kernel_lines((1,)))
-        compiled.use_stream_nta(True)
-        assert not any("ask for no weights ahead" in line for line in kernel_lines((1,)))
+                assert (compiled.few_rows_ask == ask) == (rows <= cpu_decode.FEW_ROWS)
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+        assert_float32_sums_rounded_once(outs[0][0], x, weight, None)
+    monkeypatch.setenv("COLORL_ONEDNN", "0")  # no race: the report as `colorl doctor --kernels` prints it
+    for ask, text in (("l2", "ahead into L2"), ("nta", "ahead past the caches (prefetchnta)"),
+                      ("none", "not at all ahead")):
+        monkeypatch.setenv("COLORL_CPU_DECODE_ASK", ask.upper())
+        assert cpu_decode.forced_few_rows_ask() == ask
+        assert all(f"1-2 rows asking for their weights {text} (forced by COLORL_CPU_DECODE_ASK={ask.upper()})"
+                   in line for line in kernel_lines((1,)) if "decode rows" in line)
+        compiled.linear(torch.ones(1, 576, dtype=dtype), weight, None)
+        assert compiled.few_rows_ask == ask
+    for bad in ("t1", "0"):
+        monkeypatch.setenv("COLORL_CPU_DECODE_ASK", bad)
+        with pytest.raises(ValueError, match="COLORL_CPU_DECODE_ASK='.*': give none, nta, l2"):
+            cpu_decode.forced_few_rows_ask()
+
+
+@pytest.mark.parametrize("seconds, chosen", [
+    ({"none": 5, "nta": 9, "l2": 1}, "l2"),  # the Xeon's order
+    ({"none": 5, "nta": 1, "l2": 9}, "nta"),  # the Zen 5's
+    ({"none": 1, "nta": 5, "l2": 9}, "none"),
+    ({"none": 9, "nta": 5, "l2": 1}, "l2"),  # two ways faster than none: the fastest
+    ({"none": 5, "nta": 1, "l2": 9, "nta at 2 rows": 13}, "none"),  # 1 + 13 against 5 + 5
+    ({"none": 5, "l2": 3, "nta": 9, "l2 on the rows kernel": 12, "none on the rows kernel": 7}, "l2"),  # the panels'
+    ({"none": 5, "l2": 3, "nta": 9, "l2 on the panels": 12, "none on the rows kernel": 7}, "l2"),  # the kernel's
+    ({"none": 5, "l2": 3, "nta": 9, "l2 on the panels": 12, "l2 on the rows kernel": 12}, "none")])
+def test_the_way_to_ask_is_the_one_whose_steps_on_their_faster_loop_took_least(compiled, monkeypatch, seconds, chosen):
+    """race_few_rows_ask runs each step with each way of asking against none, the way in force in the loops (the
+    step's own products set it from the race's pin). A way's cost is its steps of 1 and 2 rows, each on the
+    faster loop with it, as the engine will run them (ms per step by way, row count and loop; slept, so that no
+    CPU decides)."""
+    import time
+    import types
+
+    from colorl import verdicts
+
+    monkeypatch.setattr(verdicts, "OthersLoad", lambda: types.SimpleNamespace(cores=lambda: 0.0))  # quiet
+    weight, ran = torch.randn(64, 32), []
+
+    def step(rows, loop):
+        def run():
+            compiled.linear(torch.ones(rows, 32), weight, None)  # as a decode step's products: it sets the way
+            ask = compiled.few_rows_ask
+            ran.append((rows, ask))
+            time.sleep(seconds.get(f"{ask} at {rows} rows", seconds.get(f"{ask} on the {loop}", seconds[ask])) / 1e3)
+        return run
+
+    steps = {rows: (step(rows, "panels"), step(rows, "rows kernel")) for rows in (1, 2)}
+    monkeypatch.delenv("COLORL_CPU_DECODE_ASK")  # raced, not forced: the pin alone decides
+    verdict = cpu_decode.race_few_rows_ask(compiled, steps)
+    assert verdict["ask"] == chosen and not verdict["busy"]
+    assert {ask for _, ask in ran} == set(cpu_decode.FEW_ROWS_ASKS) and {rows for rows, _ in ran} == {1, 2}
+    assert len(verdict["seconds"]) == 2 * 2 * 2  # rows x loops x (nta, l2), each against none
+
+
+def test_the_engine_asks_as_its_dtype_and_thread_count_were_raced(compiled, tmp_path, monkeypatch):
+    """The rows verdict says how 1-2 rows ask (raced with them); each compiled call over 1-2 rows sets that of its
+    dtype at the current thread count (bounded-lag's loops run at two), a call over more rows leaves it."""
+    monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
+    monkeypatch.delenv("COLORL_CPU_DECODE_ASK")
+    asks = {(torch.float32, 1): "l2", (torch.float32, 2): "none", (torch.bfloat16, 1): "nta"}
+    monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: {
+        "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8,
+        "panel_margin": 0.0, "few_rows_ask": asks[dtype, torch.get_num_threads()]})
+    library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
+    threads = torch.get_num_threads()
+    try:
+        for (dtype, count), ask in asks.items():
+            torch.set_num_threads(count)
+            weight = torch.randn(64, 32).to(dtype)
+            library.use_few_rows_ask("none" if ask != "none" else "nta")
+            other = library.few_rows_ask
+            library.linear(torch.ones(3, 32, dtype=dtype), weight, None)
+            assert library.few_rows_ask == other  # 3 rows ask into L2 whatever the way: not looked up
+            library.linear(torch.ones(2, 32, dtype=dtype), weight, None)
+            assert library.few_rows_ask == library.few_rows_ask_for(dtype) == ask
+        stored = json.loads((tmp_path / "kernels.json").read_text())
+        assert sorted(v["few_rows_ask"] for k, v in stored.items() if " rows at " in k) == sorted(asks.values())
     finally:
-        compiled.use_stream_nta(True)
-    monkeypatch.setenv("COLORL_CPU_DECODE_NTA", "0")
-    assert not cpu_decode.nta_wanted()
-    monkeypatch.setenv("COLORL_CPU_DECODE_NTA", "1")
-    assert cpu_decode.nta_wanted()
+        torch.set_num_threads(threads)
+        compiled.use_few_rows_ask("nta")
 
 
 def test_many_rows_give_each_row_the_bits_it_gets_alone(compiled):
@@ -491,7 +559,7 @@ def test_rows_race_is_kept_per_build_thread_count_and_dtype(compiled, tmp_path, 
         raced.append((dtype, torch.get_num_threads()))
         return {"won": [1, 2] if dtype == torch.float32 else [torch.get_num_threads()], "busy": False, "seconds": {},
                 "panel_rows": [8] if dtype == torch.float32 else [], "loops": {},
-                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0}
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0, "few_rows_ask": "nta"}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     library = cpu_decode.CpuDecode(compiled._lib, compiled.build)
@@ -553,7 +621,7 @@ def test_decode_steps_that_contradict_the_rows_verdict_mark_it_stale_for_the_nex
         raced.append(dtype)
         seconds = {str(rows): [[raced_seconds, raced_seconds]] for rows in range(1, cpu_decode.MAX_ROWS + 1)}
         return {"won": [1, 2], "busy": False, "seconds": seconds, "panel_rows": [], "loops": {},
-                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0}
+                "ties_to_loops_up_to": cpu_decode.MAX_ROWS, "panel_margin": 0.0, "few_rows_ask": "nta"}
 
     monkeypatch.setattr(cpu_decode, "race_rows", race)
     monkeypatch.setattr(cpu_decode, "RACE_MIN_BYTES", 1)  # the tiny model's weights count as a stream from memory
@@ -628,10 +696,11 @@ def test_race_measures_every_row_count(compiled, monkeypatch, dtype):
 
 @pytest.mark.parametrize("other_wins", [True, False])
 def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkeypatch, other_wins):
-    """The panels' race against the rows kernel comes first; its winner at each row count is what races oneDNN,
-    so the verdict's seconds (which VerdictWatch holds a run's steps to) are those of the loop a step runs. Up to
-    MAX_ROWS oneDNN must win clearly (a tie stays with the loops, whose step runs every layer in one call);
-    above, the loops must."""
+    """The way 1-2 rows ask for their weights is raced first (whole steps of 1 and 2 rows, every way against none)
+    and the rest runs asking that way. The panels' race against the rows kernel comes next; its winner at each
+    row count is what races oneDNN, so the verdict's seconds (which VerdictWatch holds a run's steps to) are
+    those of the loop a step runs. Up to MAX_ROWS oneDNN must win clearly (a tie stays with the loops, whose
+    step runs every layer in one call); above, the loops must."""
     from colorl import verdicts
 
     calls, races, margins = [], [], []
@@ -639,15 +708,18 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     def stable_race(items, rounds, margin=verdicts.MARGIN):
         races.append(set(items))
         margins.append(margin)
-        # the first race: the panels win 3 and 5 rows; the second: each candidate wins, or none does (ties)
-        won = {3, 5} if len(races) == 1 else set(items) if other_wins else set()
+        # the way to ask: l2 wins every step; the panels win 3 and 5 rows; each candidate wins, or none does (ties)
+        won = ({item for item in items if item[0] == "l2"} if len(races) == 1 else {3, 5} if len(races) == 2
+               else set(items) if other_wins else set())
         calls.append({})
         for rows, (candidate, baseline) in items.items():
             before = len(loop_calls)
             candidate()
             calls[-1][rows] = set(loop_calls[before:])
             baseline()
-        return {"won": sorted(won), "busy": False, "seconds": {str(rows): [[1.0, 2.0]] for rows in items}}
+        return {"won": sorted(won, key=str), "busy": False, "seconds": {  # the way to ask: l2 the faster
+            str(rows): [[0.5 if rows[0] == "l2" else 1.0, 2.0] if isinstance(rows, tuple) else [1.0, 2.0]]
+            for rows in items}}
 
     loop_calls, steps = [], []
     monkeypatch.setattr(verdicts, "stable_race", stable_race)
@@ -657,7 +729,22 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     decode_layers = compiled.decode_layers
     monkeypatch.setattr(compiled, "decode_layers", lambda x, layers, step, scratch, head: steps.append(
         (len(x), bool(layers[0].p_qkv), bool(head.p))) or decode_layers(x, layers, step, scratch, head))
+    ask_steps = []
+    race_few_rows_ask = cpu_decode.race_few_rows_ask
+
+    def ask_race(library, steps_of):
+        ask_steps.extend(steps_of)
+        verdict = race_few_rows_ask(library, steps_of)
+        del steps[:]  # the ask's steps, apart
+        return verdict
+
+    monkeypatch.setattr(cpu_decode, "race_few_rows_ask", ask_race)
     verdict = cpu_decode.race_rows(compiled, torch.float32)
+    assert ask_steps == [1, 2] and verdict["few_rows_ask"] == "l2"
+    assert races[0] == {(ask, rows, loop) for ask in ("nta", "l2") for rows in (1, 2)
+                        for loop in ("panels", "rows kernel")}
+    assert margins[0] == 0.0 and compiled.few_rows_ask == "l2"  # the rest ran asking that way
+    races, margins, calls = races[1:], margins[1:], calls[1:]
     few, many = set(range(1, cpu_decode.MAX_ROWS + 1)), set(cpu_decode.PANEL_RACE_ROWS)
     # the loops a few rows take are raced as whole decode steps (products called one by one ranked them otherwise
     # than the steps), every layer and the head over the panels, then all over the rows kernel; the layers hold
@@ -665,7 +752,7 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
     assert steps == [(rows, over_panels, over_panels) for rows in sorted(few) for over_panels in (True, False)]
     assert {n_in for _, n_in in cpu_decode.RACE_LAYER} == {576, 1536}
     assert races[0] == few and verdict["panel_rows"] == [3, 5]
-    assert margins == [verdicts.MARGIN] * 2  # the panels and oneDNN each win only clearly
+    assert margins == [verdicts.MARGIN] * 2  # the panels and oneDNN each win only clearly (the ask by any margin)
     candidates = calls[1]  # the loops are the candidate above MAX_ROWS only
     assert {rows for rows, loops in candidates.items() if loops == {"panel_linear"}} == many
     assert {rows for rows, loops in candidates.items() if not loops} == few
@@ -676,10 +763,11 @@ def test_the_race_against_onednn_times_the_loop_a_few_rows_take(compiled, monkey
 
 
 @pytest.mark.parametrize("kept", [{"panel_rows": []}, {"panel_rows": [], "loops": {}},
-                                  {"panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8}])
+                                  {"panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8},
+                                  {"panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8, "panel_margin": 0.05}])
 def test_a_rows_verdict_raced_by_older_rules_is_raced_again(compiled, tmp_path, monkeypatch, kept):
-    """Older verdicts: before the loop each row count races was named, before a tie went to the loops, and
-    before the panels and the rows kernel raced by any margin."""
+    """Older verdicts: before the loop each row count races was named, before a tie went to the loops, before
+    the panels and the rows kernel raced by any margin, and before the way 1-2 rows ask was raced with them."""
     from colorl.machine import machine_key
 
     monkeypatch.setenv("COLORL_CACHE", str(tmp_path))
@@ -690,7 +778,7 @@ def test_a_rows_verdict_raced_by_older_rules_is_raced_again(compiled, tmp_path, 
     (tmp_path / "kernels.json").write_text(json.dumps({key: old}))
     monkeypatch.setattr(cpu_decode, "race_rows", lambda library, dtype: {
         "won": [1, 2], "busy": False, "seconds": {}, "panel_rows": [], "loops": {}, "ties_to_loops_up_to": 8,
-        "panel_margin": 0.0})
+        "panel_margin": 0.0, "few_rows_ask": "l2"})
     assert library.rows_won(torch.float32) == {1, 2}
 
 

@@ -180,24 +180,29 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * hardware prefetcher alone no longer keeps enough lines in flight: the stream fell to 10 GB/s at
  * 8 rows on Zen 4. Asking for the weights PREFETCH_AHEAD floats (8 KB) ahead, into L2 (prefetcht1:
  * L2 tracks more misses than L1), brings 3-8 rows to 19-28 GB/s there (the race in cpu_decode.py
- * decides per machine; bench/README.md, "The engines alone"). At 1-2 rows that costs a little, and the
- * loops ask for the same lines non-temporally instead (prefetchnta: into L1, past the caches that hold what
- * the rest of the step reads): on a Zen 5 core the 1- and 2-row loops then read at a plain sum's rate
- * (float32 0.93-0.95x and 0.83-0.87x a sum without it), and a batch-1 decode step took 1.13x its memory floor
- * instead of 1.15-1.18x in float32, 1.18-1.20x instead of 1.24-1.30x in bf16, by turns, its sampler and Python
- * also faster on caches the weights had not swept (bench/README.md, "Non-temporal"). */
+ * decides per machine; bench/README.md, "The engines alone").
+ *
+ * At 1-2 rows (FEW_ROWS) how to ask is the machine's: the race (cpu_decode.py, race_rows) times a decode
+ * step's 1-2 rows asking into L2, non-temporally (prefetchnta: into L1, past the caches that hold what the
+ * rest of the step reads) and not at all, and sets one here (colorl_few_rows_ask). On a Zen 5 core,
+ * non-temporally took a batch-1 step from 1.15-1.18x its memory floor to 1.13x in float32 and from
+ * 1.24-1.30x to 1.18-1.20x in bf16 (bench/README.md, "Non-temporal"). On an Intel Xeon with AMX
+ * (family 6 model 167) the same asks took 2.8-2.9x the floor, not at all 1.08-1.14x, into L2 0.95-1.04x:
+ * an L1 prefetch holds one of L1's few fill buffers until its line arrives, so few lines are in flight
+ * (bench/README.md, "1-2 rows ask as the machine's race says"). */
 #define PREFETCH_AHEAD 2048
-#define NTA_ROWS 2
-static int stream_nta = 1; /* colorl_stream_nta(0) (COLORL_CPU_DECODE_NTA=0 in cpu_decode.py): none at 1-2 rows */
-int colorl_stream_nta(int on) {
-    stream_nta = on != 0;
-    return stream_nta;
+#define FEW_ROWS 2
+enum { ASK_NONE = 0, ASK_NTA = 1, ASK_L2 = 2 }; /* cpu_decode.py's FEW_ROWS_ASKS, in this order */
+static int few_rows_ask = ASK_NTA;
+int colorl_few_rows_ask(int ask) { /* sets how 1-2 rows ask for their weights ahead (-1: only reads it) */
+    if (ask >= ASK_NONE && ask <= ASK_L2) few_rows_ask = ask;
+    return few_rows_ask;
 }
-/* Ask for the line at p ahead of a loop over `rows` rows of x: non-temporally up to NTA_ROWS, else into L2. */
+/* Ask for the line at p ahead of a loop over `rows` rows of x: into L2 above FEW_ROWS, else as the race set. */
 #define STREAM_AHEAD(rows, p)                                                                      \
     do {                                                                                           \
-        if ((rows) > NTA_ROWS) __builtin_prefetch((p), 0, 2);                                      \
-        else if (stream_nta) __builtin_prefetch((p), 0, 0);                                        \
+        if ((rows) > FEW_ROWS || few_rows_ask == ASK_L2) __builtin_prefetch((p), 0, 2);            \
+        else if (few_rows_ask == ASK_NTA) __builtin_prefetch((p), 0, 0);                           \
     } while (0)
 
 /* Two weight rows against B rows of x, one sum per (weight row, x row) (above). */
@@ -311,7 +316,7 @@ int colorl_linear_f32(const float *x, const float *w, const float *bias, float *
  * One row (row_sums_bf16_1) keeps four sums: with two, each 32 bytes of weights waited on one FMA's latency (8
  * bytes a cycle, 27-29 GB/s on a Zen 4 core whose plain sum reads 29-33). Asking for the lines 8 KB ahead into L2
  * took its stream from 0.98-1.03x a plain sum to 0.78-0.82x there (bench/README.md, "One row of bf16"); it asks
- * for them 4 KB ahead non-temporally, as the float32 kernel's 1-2 rows do (STREAM_AHEAD above): 1.05-1.11x a
+ * for them 4 KB ahead as the float32 kernel's 1-2 rows do (STREAM_AHEAD above): non-temporally, 1.05-1.11x a
  * plain sum on a Zen 5 core against 0.98-1.00x without (bench/rows_stream.py times the loops). */
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bf16 loops read pairs of bf16 as little-endian 32-bit words"
@@ -400,7 +405,7 @@ static inline void even_odd8(const uint16_t *p, v8 *even, v8 *odd) { /* 16 bf16 
 #define DPBF16_LOOP(B)
 #endif
 
-/* The weights' row n against one row of x: four independent sums, the lines asked for non-temporally (above). */
+/* The weights' row n against one row of x: four independent sums, the lines asked for as the race set (above). */
 static inline void row_sums_bf16_1(const uint16_t *x16, const float *xeo, const uint16_t *wr, int64_t K, float *s) {
     int64_t k = 0;
 #if HAVE_DPBF16

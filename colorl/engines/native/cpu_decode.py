@@ -19,6 +19,7 @@ bf16 step in bf16; tests/engines/test_cpu_decode.py).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -37,6 +38,8 @@ PREFILL_ROWS = 256  # raced for every count above MAX_PANEL_ROWS: prefill chunks
 _EVERY_ROWS = frozenset(range(1, MAX_PANEL_ROWS + 1)) | {PREFILL_ROWS}  # what COLORL_CPU_DECODE_ROWS may name
 _EVERY_PANEL_ROWS = frozenset(range(1, MAX_ROWS + 1))  # ... and COLORL_CPU_DECODE_PANEL_ROWS
 PANEL_RACE_ROWS = (12, 16, 24, 32, PREFILL_ROWS)  # the panel row counts raced; the counts between follow them
+FEW_ROWS = 2  # products of this many rows or fewer ask for their weights ahead as the machine's race says
+FEW_ROWS_ASKS = ("none", "nta", "l2")  # how (cpu_decode.c's ASK_*): not at all, non-temporally, into L2
 PANEL_GROUP = 48  # outputs per group of the AVX-512 loops' panels (GROUP in cpu_decode_loops.h)
 LAYER_MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a layer's matrices, each with its panels for many rows
 # The race runs decoder layers of SmolLM2-135M's shapes, as a decode step does: the fused qkv, o, gate+up and down
@@ -283,9 +286,10 @@ class CpuDecode:
         self._sample_plain = library.colorl_sample_plain  # float32 logits only
         self._sample_plain.argtypes, self._sample_plain.restype = [_p, _i64, _i64, _p, _p, _p, _int], _int
         self._observed_at = float("-inf")  # perf_counter of the last step observe_decode checked
-        self._stream_nta = library.colorl_stream_nta
-        self._stream_nta.argtypes, self._stream_nta.restype = [_int], _int
-        self.stream_nta = self.use_stream_nta(nta_wanted())
+        self._few_rows_ask = library.colorl_few_rows_ask
+        self._few_rows_ask.argtypes, self._few_rows_ask.restype = [_int], _int
+        self.few_rows_ask = FEW_ROWS_ASKS[self._few_rows_ask(-1)]  # how 1-2 rows ask now (`ask_for` sets it)
+        self._racing_ask: str | None = None  # how the race's own products ask while it runs (`asking`)
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
         self.amx_built = bool(library.colorl_amx_built())  # built for a CPU with AMX tiles
@@ -297,11 +301,39 @@ class CpuDecode:
         self._core_trip = library.colorl_core_trip
         self._core_trip.argtypes, self._core_trip.restype = [_i64], ctypes.c_double
 
-    def use_stream_nta(self, on: bool) -> bool:
-        """Products of 1-2 rows ask for their weights ahead non-temporally (on) or not at all, from now on: the
-        same arithmetic either way (`nta_wanted`)."""
-        self.stream_nta = bool(self._stream_nta(int(on)))
-        return self.stream_nta
+    def use_few_rows_ask(self, ask: str) -> str:
+        """Products of 1-2 rows ask for their weights ahead as `ask` (one of FEW_ROWS_ASKS) from now on, until the
+        next compiled call over 1-2 rows sets what its dtype and thread count were raced to (`ask_for`): a choice
+        of cache traffic, never of arithmetic."""
+        self.few_rows_ask = FEW_ROWS_ASKS[self._few_rows_ask(FEW_ROWS_ASKS.index(ask))]
+        return self.few_rows_ask
+
+    @contextlib.contextmanager
+    def asking(self, ask: str):
+        """Within: every product of 1-2 rows asks as `ask`, whatever was raced (the race's own products)."""
+        before, self._racing_ask = self._racing_ask, ask
+        try:
+            yield
+        finally:
+            self._racing_ask = before
+
+    def few_rows_ask_for(self, dtype: torch.dtype) -> str:
+        """How products of 1-2 rows in `dtype` ask for their weights ahead here, at the current thread count:
+        forced by COLORL_CPU_DECODE_ASK, else raced with the rows verdict (`race_rows`). Where they go
+        into L1 past the caches (nta) a Zen 5 decodes a row faster, and an Intel Xeon 2.7x slower than into L2
+        (cpu_decode.c, STREAM_AHEAD)."""
+        forced = forced_few_rows_ask()
+        if forced is not None:
+            return forced
+        return self._raced_ask(dtype, torch.get_num_threads())
+
+    def _ask_as_chosen(self, dtype: torch.dtype, rows: int) -> None:
+        """Before a compiled call over `rows` rows: 1-2 rows ask as chosen for `dtype` (the race's own way while
+        it runs)."""
+        if rows <= FEW_ROWS:
+            ask = self._racing_ask or self.few_rows_ask_for(dtype)
+            if ask != self.few_rows_ask:
+                self.use_few_rows_ask(ask)
 
     def use_one_team(self, on: bool) -> bool:
         """Run a whole decode step's loops (decode_layers, decode_burst) on one team of threads that the call keeps
@@ -364,7 +396,8 @@ class CpuDecode:
         from colorl.verdicts import measured_verdict
 
         return measured_verdict(self.rows_verdict_name(dtype, threads), lambda: race_rows(self, dtype),
-                                keys=("won", "panel_rows", "loops", "ties_to_loops_up_to", "panel_margin"))
+                                keys=("won", "panel_rows", "loops", "ties_to_loops_up_to", "panel_margin",
+                                      "few_rows_ask"))
 
     def takes(self, rows: int, dtype: torch.dtype) -> bool:
         """The loops run a product of `rows` rows in `dtype` here (`rows_won`; above MAX_PANEL_ROWS: when both
@@ -383,6 +416,10 @@ class CpuDecode:
     @functools.cache
     def _raced_panel_rows(self, dtype: torch.dtype, threads: int) -> frozenset[int]:
         return frozenset(int(rows) for rows in self._rows_verdict(dtype, threads)["panel_rows"])
+
+    @functools.cache
+    def _raced_ask(self, dtype: torch.dtype, threads: int) -> str:
+        return self._rows_verdict(dtype, threads)["few_rows_ask"]
 
     @functools.cache
     def _rows_watch(self, dtype: torch.dtype, threads: int):
@@ -424,6 +461,7 @@ class CpuDecode:
         if weight.shape[1] != n_in or (bias is not None and bias.shape != weight.shape[:1]):
             raise ValueError(f"compiled linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not agree")
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        self._ask_as_chosen(x.dtype, rows)
         _raise_for(self._functions["colorl_linear", x.dtype](_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), rows,
                                                              weight.shape[0], n_in, torch.get_num_threads()))
         return out
@@ -453,6 +491,7 @@ class CpuDecode:
         if panels.numel() != panel_elements(n_out, n_in) or (bias is not None and bias.shape != (n_out,)):
             raise ValueError(f"compiled panel_linear: x {tuple(x.shape)}, the panels and the bias do not agree")
         out = torch.empty(rows, n_out, dtype=x.dtype)
+        self._ask_as_chosen(x.dtype, rows)
         _raise_for(self._functions["colorl_panels", x.dtype](_ptr(x), _ptr(panels), _ptr(bias), _ptr(out), rows,
                                                              n_out, n_in, torch.get_num_threads()))
         return out
@@ -540,6 +579,7 @@ class CpuDecode:
         if x.shape != (step.tokens, step.hidden) or scratch.numel() < decode_scratch_values(step, head, x.dtype):
             raise ValueError("compiled decode_layers: x, the scratch and the step's shapes do not agree")
         out = torch.empty_like(x)
+        self._ask_as_chosen(x.dtype, step.tokens)
         if head is None:
             _raise_for(self._functions["colorl_decode_layers", x.dtype](_ptr(x), _ptr(out), _ptr(scratch), layers,
                                                                         len(layers), ctypes.byref(step)))
@@ -577,6 +617,7 @@ class CpuDecode:
         out, logits = torch.empty_like(x), torch.empty(rows, head.vocab, dtype=torch.float32)
         tokens, logps = (ctypes.c_int64 * (steps * rows))(), (ctypes.c_float * (steps * rows))()
         done = ctypes.c_int64()
+        self._ask_as_chosen(x.dtype, rows)
         _raise_for(self._functions["colorl_decode_burst", x.dtype](
             _ptr(x), _ptr(out), _ptr(scratch), layers, len(layers), ctypes.byref(step), ctypes.byref(head),
             _ptr(logits), _ptr(embed), (ctypes.c_float * rows)(*temperatures), steps, _ptr(slots),
@@ -627,10 +668,14 @@ def amx_wanted() -> bool:
     return switched_on("COLORL_CPU_DECODE_AMX")
 
 
-def nta_wanted() -> bool:
-    """Products of 1-2 rows ask for their weights ahead non-temporally (cpu_decode.c, STREAM_AHEAD), past the
-    caches the rest of a step reads: COLORL_CPU_DECODE_NTA=0 asks for none, to compare on a CPU not yet measured."""
-    return switched_on("COLORL_CPU_DECODE_NTA")
+def forced_few_rows_ask() -> str | None:
+    """COLORL_CPU_DECODE_ASK: how products of 1-2 rows ask for their weights ahead, one of FEW_ROWS_ASKS, for
+    every dtype and thread count (the tests force one, so that what they see does not depend on a race); unset:
+    the race decides. Anything else is one clear error."""
+    value = os.environ.get("COLORL_CPU_DECODE_ASK", "").strip().lower()
+    if value and value not in FEW_ROWS_ASKS:
+        raise ValueError(f"COLORL_CPU_DECODE_ASK={value!r}: give {', '.join(FEW_ROWS_ASKS)}")
+    return value or None
 
 
 def forced_rows() -> frozenset[int] | None:
@@ -659,6 +704,41 @@ def between_raced(won: frozenset[int]) -> frozenset[int]:
         if sides and all(side in won for side in sides):
             rows.add(count)
     return frozenset(rows)
+
+
+def race_few_rows_ask(compiled: CpuDecode, steps: dict[int, tuple[Callable, Callable]]) -> dict:
+    """How products of 1-2 rows ask for their weights ahead here (`few_rows_ask`, one of FEW_ROWS_ASKS): the
+    decode `steps` of 1 and 2 rows over both loops (`race_steps`: the panels', the rows kernel's), each way of
+    asking against asking for none. In each pass a way costs its 1- and 2-row steps, each on the faster of the
+    two loops (the race that follows gives each row count that loop); the way that costs least in every pass
+    wins (no margin: the three are the same loops and the same bits), else none, the hardware prefetcher's own,
+    as on a busy machine. On a Zen 5 non-temporally was the faster (by 2-5 %); on an Intel Xeon with AMX
+    non-temporally took 2.6x as long as none, and into L2 0.9x (cpu_decode.c)."""
+    from colorl.verdicts import stable_race
+
+    def step_asking(ask: str, step: Callable) -> Callable:
+        def run():
+            with compiled.asking(ask):
+                return step()
+        return run
+
+    loops = ("panels", "rows kernel")
+    items = {(ask, rows, loop): (step_asking(ask, step), step_asking("none", step))
+             for rows, both in steps.items() for loop, step in zip(loops, both) for ask in FEW_ROWS_ASKS[1:]}
+    verdict = stable_race(items, RACE_ROUNDS, margin=0.0)
+    passes = {item: verdict["seconds"][str(item)] for item in items}
+
+    def cost(ask: str, index: int) -> float:
+        def seconds(rows: int, loop: str) -> float:
+            if ask == "none":  # timed beside each other way: its best
+                return min(passes[other, rows, loop][index][1] for other in FEW_ROWS_ASKS[1:])
+            return passes[ask, rows, loop][index][0]
+        return sum(min(seconds(rows, loop) for loop in loops) for rows in steps)
+
+    count = len(next(iter(passes.values())))  # passes, the same for every item
+    winners = {min(FEW_ROWS_ASKS, key=lambda ask: cost(ask, index)) for index in range(count)}
+    return {"ask": winners.pop() if len(winners) == 1 and not verdict["busy"] else "none", "busy": verdict["busy"],
+            "seconds": verdict["seconds"]}
 
 
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
@@ -695,24 +775,28 @@ def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     def on_rows_kernel(x):
         return race_products(lambda x, w, _: compiled.linear(x, w, None), x, weights)
 
-    # two of the loops, both exact: the panels only where they clearly win
-    few = stable_race(race_steps(compiled, dtype, weights, panels, range(1, MAX_ROWS + 1), gen, copies), RACE_ROUNDS)
-    loops, items = {}, {}
-    for rows, x in xs.items():
-        count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer
-        over_panels = rows > MAX_ROWS or rows in few["won"]
-        loops[str(rows)] = "panels" if over_panels else "rows kernel"
-        ours = on_panels(x, count) if over_panels else on_rows_kernel(x)
-        other = race_products(lambda x, w, _: packed.linear(x, w, None), x, weights[:count])
-        items[rows] = (other, ours) if rows <= MAX_ROWS else (ours, other)  # (candidate, baseline)
-    verdict = stable_race(items, RACE_ROUNDS)
+    steps = race_steps(compiled, dtype, weights, panels, range(1, MAX_ROWS + 1), gen, copies)
+    ask = race_few_rows_ask(compiled, {rows: steps[rows] for rows in range(1, FEW_ROWS + 1)})
+    with compiled.asking(ask["ask"]):  # what follows runs as the engine will
+        # two of the loops, both exact: the panels only where they clearly win
+        few = stable_race(steps, RACE_ROUNDS)
+        loops, items = {}, {}
+        for rows, x in xs.items():
+            count = len(weights) if rows <= MAX_PANEL_ROWS else len(RACE_LAYER)  # a prefill's is long enough on a layer
+            over_panels = rows > MAX_ROWS or rows in few["won"]
+            loops[str(rows)] = "panels" if over_panels else "rows kernel"
+            ours = on_panels(x, count) if over_panels else on_rows_kernel(x)
+            other = race_products(lambda x, w, _: packed.linear(x, w, None), x, weights[:count])
+            items[rows] = (other, ours) if rows <= MAX_ROWS else (ours, other)  # (candidate, baseline)
+        verdict = stable_race(items, RACE_ROUNDS)
     candidate_won = {str(rows) for rows in verdict["won"]}
     won = [rows for rows in xs if (rows <= MAX_ROWS) != (str(rows) in candidate_won)]
     seconds = {item: [passed[::-1] if int(item) <= MAX_ROWS else passed for passed in passes]
                for item, passes in verdict["seconds"].items()}
     return {**verdict, "won": won, "seconds": seconds, "panel_rows": few["won"], "loops": loops,
-            "busy": verdict["busy"] or few["busy"], "panel_seconds": few["seconds"], "ties_to_loops_up_to": MAX_ROWS,
-            "panel_margin": MARGIN}
+            "busy": verdict["busy"] or few["busy"] or ask["busy"], "panel_seconds": few["seconds"],
+            "ties_to_loops_up_to": MAX_ROWS, "panel_margin": MARGIN, "few_rows_ask": ask["ask"],
+            "few_rows_ask_seconds": ask["seconds"]}
 
 
 PANEL_RUN_BYTES = 512 << 20  # a mapping that panel copies fill back to back (a larger copy takes one of its own)

@@ -108,7 +108,7 @@ void NAMED(colorl_silu_mul)(const ELEM *gate_up, ELEM *out, int64_t T, int64_t I
  * a narrower load, and on AVX2 the 8-row dot-product loop also spills three of its sixteen sums:
  * over the same 85 MB on one Zen 3 core the panels read 0.82-0.85x a plain sum's rate at 8 rows,
  * the rows kernel 0.69x (bench/rows_stream.py). They ask for the stream as the rows kernel does at the
- * same rows (STREAM_AHEAD, cpu_decode.c): non-temporally at 1-2. */
+ * same rows (STREAM_AHEAD, cpu_decode.c): at 1-2 as the machine's race says. */
 #define PANEL 8
 #define PANEL_AHEAD 2048
 

@@ -15,6 +15,9 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+ASK_TEXT = {"none": "not at all ahead", "nta": "ahead past the caches (prefetchnta)", "l2": "ahead into L2"}
+
+
 def _source(forced_by: str | None, verdict: dict | None) -> str:
     if forced_by:
         return f"forced by {forced_by}"
@@ -65,10 +68,9 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
     lines.append(f"oneDNN runs: {', '.join(runs) or 'nothing (off, not x86, or not in this torch)'}"
                  + (f" ({caps})" if caps else ""))
     library = cpu_decode.load()
-    nta = "" if library is None or library.stream_nta else ", 1-2 rows ask for no weights ahead (COLORL_CPU_DECODE_NTA=0)"
-    if library is not None and not library.one_team:
-        nta += ", a team of threads per loop of a step (COLORL_CPU_DECODE_TEAM=0)"
-    lines.append(f"decode loops: built {library.build}" + _amx_text(library) + nta
+    team = ("" if library is None or library.one_team
+            else ", a team of threads per loop of a step (COLORL_CPU_DECODE_TEAM=0)")
+    lines.append(f"decode loops: built {library.build}" + _amx_text(library) + team
                  if library is not None else f"decode loops: not used ({cpu_decode.why_not()})")
     threads_now = torch.get_num_threads()
     forced_onednn = "COLORL_ONEDNN=" + os.environ["COLORL_ONEDNN"] if kernels.forced_onednn() is not None else None
@@ -76,6 +78,8 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                    if cpu_decode.forced_rows() is not None else None)
     forced_panels = ("COLORL_CPU_DECODE_PANEL_ROWS=" + os.environ["COLORL_CPU_DECODE_PANEL_ROWS"]
                      if cpu_decode.forced_panel_rows() is not None else None)
+    forced_ask = ("COLORL_CPU_DECODE_ASK=" + os.environ["COLORL_CPU_DECODE_ASK"]
+                  if cpu_decode.forced_few_rows_ask() is not None else None)
     try:
         for threads in thread_counts or (threads_now,):
             torch.set_num_threads(threads)
@@ -96,9 +100,14 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                     rows = library.rows_won(dtype)
                     verdict = None if forced_rows else kept_verdict(library.rows_verdict_name(dtype, threads))
                     few = library.panel_rows(dtype)
+                    ask = library.few_rows_ask_for(dtype)
+                    if verdict is None and not forced_ask:  # the ask is raced with the rows (race_rows)
+                        verdict = kept_verdict(library.rows_verdict_name(dtype, threads))
                     text += (f"; decode rows on the loops: {_rows_text(rows)} ({_source(forced_rows, verdict)}), "
                              f"of {cpu_decode.MAX_ROWS} or fewer over the panels: {_rows_text(few)} "
-                             f"({_source(forced_panels, None if forced_panels else verdict)}); "
+                             f"({_source(forced_panels, None if forced_panels else verdict)}), "
+                             f"1-{cpu_decode.FEW_ROWS} rows asking for their weights {ASK_TEXT[ask]} "
+                             f"({_source(forced_ask, None if forced_ask else verdict)}); "
                              "decode attention, norms, RoPE: the loops")
                 else:
                     text += "; decode attention: torch SDPA"
