@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine import decode_bench_args, native_on_smollm2  # bench/
-from limits import MemoryReader  # bench/
 from machine import cpu_model  # bench/
-from step_team import decode_run  # bench/
+from step_team import DecodeBench  # bench/
 
 ROOT = Path(__file__).resolve().parent
 
@@ -30,25 +28,19 @@ ROOT = Path(__file__).resolve().parent
 def main() -> None:
     from colorl.engines.native.cpu_decode import FEW_ROWS_ASKS
 
-    args = decode_bench_args(__doc__, 2, 5, "1,2", "float32", ROOT / "results" / "few_rows_ask.json")
-    dtype = getattr(torch, args.dtype)
-    engine, compiled, prompt = native_on_smollm2("few_rows_ask", dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    reader = MemoryReader()
-    batches = [int(b) for b in args.batches.split(",")]
+    bench = DecodeBench.start(__doc__, "few_rows_ask", 5, "1,2", "float32")
+    args, compiled, weight_bytes = bench.args, bench.compiled, bench.weight_bytes
     over: dict[tuple[int, str], list[float]] = {}
     steps: dict[tuple[int, str], list[float]] = {}
     for index in range(args.rounds):
-        for batch in batches:
+        for batch in bench.batches:
             for ask in FEW_ROWS_ASKS[::1 if index % 2 else -1]:
                 with compiled.asking(ask):
-                    before = reader.once()
-                    step = decode_run(engine, prompt, batch, f"{index}-{batch}-{ask}")
-                    rate = max(before, reader.once())
-                steps.setdefault((batch, ask), []).append(step)
-                over.setdefault((batch, ask), []).append(step * rate / weight_bytes)
+                    run = bench.against_floor(batch, f"{index}-{batch}-{ask}")
+                steps.setdefault((batch, ask), []).append(run["step_ms"] / 1e3)
+                over.setdefault((batch, ask), []).append(run["over_floor"])
 
-    raced = compiled.few_rows_ask_for(dtype)
+    raced = compiled.few_rows_ask_for(getattr(torch, args.dtype))
     print(f"{cpu_model()}, {args.threads} threads, {args.dtype}, SmolLM2-135M ({weight_bytes / 1e6:.0f} MB of "
           f"weights), {args.rounds} rounds (medians; the ratio: the median of per-round ratios); this machine's race "
           f"chose: {raced}")

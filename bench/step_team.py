@@ -13,8 +13,10 @@ bench/README.md, "One team for a step".
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,24 +43,46 @@ def decode_run(engine, prompt: list[int], batch: int, tag: str) -> float:
     return statistics.median(steps[engine.decode_burst:])
 
 
+@dataclass
+class DecodeBench:
+    """A bench of the native engine's decode steps on SmolLM2-135M, one setting switched by turns in one process
+    (this file's, bench/few_rows_ask.py's): its arguments, the engine and its loops, and the floor's reader."""
+    args: argparse.Namespace
+    engine: object
+    compiled: object
+    prompt: list[int]
+    weight_bytes: int
+    batches: list[int]
+    reader: MemoryReader = field(default_factory=MemoryReader)
+
+    @classmethod
+    def start(cls, doc: str, name: str, rounds: int, batches: str, dtype: str) -> "DecodeBench":
+        args = decode_bench_args(doc, 2, rounds, batches, dtype, ROOT / "results" / f"{name}.json")
+        engine, compiled, prompt = native_on_smollm2(name, getattr(torch, args.dtype))
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        return cls(args, engine, compiled, prompt, weight_bytes, [int(b) for b in args.batches.split(",")])
+
+    def against_floor(self, batch: int, tag: str) -> dict:
+        """A decode run's median step (`decode_run`) and the read rate, the faster of the floor's readings before
+        and after it: the step in ms, the rate in GB/s, the step over the weights' floor at that rate."""
+        before = self.reader.once()
+        step = decode_run(self.engine, self.prompt, batch, tag)
+        rate = max(before, self.reader.once())
+        return {"step_ms": step * 1e3, "read_gb_s": rate / 1e9, "over_floor": step * rate / self.weight_bytes}
+
+
 def main() -> None:
-    args = decode_bench_args(__doc__, 2, 7, "1,8", "bfloat16", ROOT / "results" / "step_team.json")
-    dtype = getattr(torch, args.dtype)
-    engine, compiled, prompt = native_on_smollm2("step_team", dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    reader = MemoryReader()
-    batches = [int(b) for b in args.batches.split(",")]
+    bench = DecodeBench.start(__doc__, "step_team", 7, "1,8", "bfloat16")
+    args, compiled, weight_bytes, batches = bench.args, bench.compiled, bench.weight_bytes, bench.batches
+    engine = bench.engine
     rounds = []
     for index in range(args.rounds):
         record = {}
         for batch in batches:
             for one_team in ((True, False) if index % 2 else (False, True)):
                 compiled.use_one_team(one_team)
-                before = reader.once()
-                step = decode_run(engine, prompt, batch, f"{index}-{batch}-{one_team}")
-                rate = max(before, reader.once())
-                record[f"b{batch}_{'one_team' if one_team else 'team_per_loop'}"] = {
-                    "step_ms": step * 1e3, "read_gb_s": rate / 1e9, "over_floor": step * rate / weight_bytes}
+                record[f"b{batch}_{'one_team' if one_team else 'team_per_loop'}"] = bench.against_floor(
+                    batch, f"{index}-{batch}-{one_team}")
         rounds.append(record)
     compiled.use_one_team(True)
 
