@@ -37,7 +37,7 @@ def main() -> None:
             for ask in FEW_ROWS_ASKS[::1 if index % 2 else -1]:
                 with compiled.asking(ask):
                     run = bench.against_floor(batch, f"{index}-{batch}-{ask}")
-                steps.setdefault((batch, ask), []).append(run["step_ms"] / 1e3)
+                steps.setdefault((batch, ask), []).append(run["step_ms"])
                 over.setdefault((batch, ask), []).append(run["over_floor"])
 
     raced = compiled.few_rows_ask_for(getattr(torch, args.dtype))
@@ -49,7 +49,7 @@ def main() -> None:
     summary = {}
     for batch, ask in sorted(over):
         ratio = statistics.median(a / b for a, b in zip(steps[batch, ask], steps[batch, "none"]))
-        summary[f"{batch} {ask}"] = {"step_ms": statistics.median(steps[batch, ask]) * 1e3, "step_over_none": ratio,
+        summary[f"{batch} {ask}"] = {"step_ms": statistics.median(steps[batch, ask]), "step_over_none": ratio,
                                      "over_floor": statistics.median(over[batch, ask]),
                                      "over_floor_rounds": over[batch, ask]}
         print(f"| {batch} | {ask} | {summary[f'{batch} {ask}']['step_ms']:.1f} ms "

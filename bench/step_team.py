@@ -73,8 +73,8 @@ class DecodeBench:
 
 def main() -> None:
     bench = DecodeBench.start(__doc__, "step_team", 7, "1,8", "bfloat16")
-    args, compiled, weight_bytes, batches = bench.args, bench.compiled, bench.weight_bytes, bench.batches
-    engine = bench.engine
+    args, engine, compiled, batches = bench.args, bench.engine, bench.compiled, bench.batches
+    weight_bytes = bench.weight_bytes
     rounds = []
     for index in range(args.rounds):
         record = {}

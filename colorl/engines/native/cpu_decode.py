@@ -288,7 +288,7 @@ class CpuDecode:
         self._observed_at = float("-inf")  # perf_counter of the last step observe_decode checked
         self._few_rows_ask = library.colorl_few_rows_ask
         self._few_rows_ask.argtypes, self._few_rows_ask.restype = [_int], _int
-        self.few_rows_ask = FEW_ROWS_ASKS[self._few_rows_ask(-1)]  # how 1-2 rows ask now (`ask_for` sets it)
+        self.few_rows_ask = FEW_ROWS_ASKS[self._few_rows_ask(-1)]  # how 1-2 rows ask now (`_ask_as_chosen` sets it)
         self._racing_ask: str | None = None  # how the race's own products ask while it runs (`asking`)
         self._use_amx = library.colorl_use_amx
         self._use_amx.argtypes, self._use_amx.restype = [_int], _int
@@ -303,8 +303,8 @@ class CpuDecode:
 
     def use_few_rows_ask(self, ask: str) -> str:
         """Products of 1-2 rows ask for their weights ahead as `ask` (one of FEW_ROWS_ASKS) from now on, until the
-        next compiled call over 1-2 rows sets what its dtype and thread count were raced to (`ask_for`): a choice
-        of cache traffic, never of arithmetic."""
+        next compiled call over 1-2 rows sets what its dtype and thread count were raced to (`_ask_as_chosen`): a
+        choice of cache traffic, never of arithmetic."""
         self.few_rows_ask = FEW_ROWS_ASKS[self._few_rows_ask(FEW_ROWS_ASKS.index(ask))]
         return self.few_rows_ask
 
@@ -743,7 +743,8 @@ def race_few_rows_ask(compiled: CpuDecode, steps: dict[int, tuple[Callable, Call
 
 def race_rows(compiled: CpuDecode, dtype: torch.dtype = torch.float32) -> dict:
     """Which product the engine runs at each row count, over weights that do not fit in cache, as a decode step
-    streams them (colorl.verdicts.stable_race: a candidate wins a row count in every pass). First, at
+    streams them (colorl.verdicts.stable_race: a candidate wins a row count in every pass). First, how 1-2 rows
+    ask for their weights ahead (`race_few_rows_ask`); the rest runs asking that way. Then, at
     1..MAX_ROWS rows, whole decode steps (`race_steps`) over the panels against over the rows kernel (`panel_rows`:
     which of the two loops a few rows take; which wins moves with the CPU's loads per cycle and registers,
     bench/rows_stream.py); the panels must win by MARGIN in every pass, a near tie stays with the rows kernel. On a

@@ -98,16 +98,13 @@ def kernel_lines(thread_counts: tuple[int, ...] | None = None) -> list[str]:
                 text = f"{threads} thread{'s' if threads > 1 else ''}, {_short(dtype)}: products {products}"
                 if library is not None:
                     rows = library.rows_won(dtype)
-                    verdict = None if forced_rows else kept_verdict(library.rows_verdict_name(dtype, threads))
-                    few = library.panel_rows(dtype)
-                    ask = library.few_rows_ask_for(dtype)
-                    if verdict is None and not forced_ask:  # the ask is raced with the rows (race_rows)
-                        verdict = kept_verdict(library.rows_verdict_name(dtype, threads))
+                    few, ask = library.panel_rows(dtype), library.few_rows_ask_for(dtype)
+                    verdict = kept_verdict(library.rows_verdict_name(dtype, threads))  # all three raced together
                     text += (f"; decode rows on the loops: {_rows_text(rows)} ({_source(forced_rows, verdict)}), "
                              f"of {cpu_decode.MAX_ROWS} or fewer over the panels: {_rows_text(few)} "
-                             f"({_source(forced_panels, None if forced_panels else verdict)}), "
+                             f"({_source(forced_panels, verdict)}), "
                              f"1-{cpu_decode.FEW_ROWS} rows asking for their weights {ASK_TEXT[ask]} "
-                             f"({_source(forced_ask, None if forced_ask else verdict)}); "
+                             f"({_source(forced_ask, verdict)}); "
                              "decode attention, norms, RoPE: the loops")
                 else:
                     text += "; decode attention: torch SDPA"
