@@ -161,8 +161,12 @@ def test_max_turns_and_the_token_caps_end_an_episode_with_reward_0(engine, token
 
 
 def _drive(engine, setup, every: int, between) -> tuple[list, list]:
-    """Episodes "0:0" and "0:1" through `Rollouts`, `between(rollouts, steps)` after every `every` steps (what
-    the bounded-lag loop does in flight: interrupts, weight updates); the results and the requests the engine got."""
+    """Episodes "0:0" and "0:1" through `Rollouts`, `between(rollouts, steps)` after every `every` steps that
+    sampled tokens (what the bounded-lag loop does in flight: interrupts, weight updates); the results and the
+    requests the engine got. Counted by the engine's sampled tokens, not per `Rollouts.step`: how many steps
+    only wait on the environments' threads, or only prefill, or decode a whole burst, depends on the machine,
+    and must not decide whether an update lands between two sampled tokens (or whether a re-prefill finishes
+    before the next interrupt)."""
     seen, add = [], engine.add
     rollouts = Rollouts(engine, setup)
     try:
@@ -171,9 +175,10 @@ def _drive(engine, setup, every: int, between) -> tuple[list, list]:
             rollouts.start(_request(f"0:{s}", seed=s), PROBLEM)
         done, steps = {}, 0
         while rollouts.has_unfinished():
+            sampled = engine.num_generated_tokens
             done.update({r.request_id: r for r in rollouts.step()})
-            steps += 1
-            if steps % every == 0:
+            steps += engine.num_generated_tokens != sampled
+            if engine.num_generated_tokens != sampled and steps % every == 0:
                 between(rollouts, steps)
     finally:
         del engine.add
@@ -253,9 +258,9 @@ def template_engine():
 
 
 def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
-    """"colocated": at one version. "keep" / "recompute": new weights every sixth step (here the same values)
-    with in-flight turns kept on their KV or re-prefilled (a turn's prompt takes at most two steps:
-    re-prefilled more often, it would never finish)."""
+    """"colocated": at one version. "keep" / "recompute": new weights (here the same values) after every step
+    that sampled, with in-flight turns kept on their KV or re-prefilled: tokens sampled in different steps
+    come from different versions on any machine, and a re-prefill always gets to sample before the next one."""
     weights = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
 
     def update(rollouts, steps) -> None:
@@ -263,7 +268,7 @@ def _episodes_across_updates(engine, setup, mode: str) -> tuple[list, list]:
         if mode == "recompute":
             rollouts.resume(rollouts.interrupt(["0:0", "0:1"]))
 
-    return _drive(engine, setup, 6, update if mode != "colocated" else lambda rollouts, steps: None)
+    return _drive(engine, setup, 1, update if mode != "colocated" else lambda rollouts, steps: None)
 
 
 @pytest.mark.matrix
