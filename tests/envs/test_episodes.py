@@ -177,9 +177,10 @@ def _drive(engine, setup, every: int, between) -> tuple[list, list]:
         while rollouts.has_unfinished():
             sampled = engine.num_generated_tokens
             done.update({r.request_id: r for r in rollouts.step()})
-            steps += engine.num_generated_tokens != sampled
-            if engine.num_generated_tokens != sampled and steps % every == 0:
-                between(rollouts, steps)
+            if engine.num_generated_tokens != sampled:
+                steps += 1
+                if steps % every == 0:
+                    between(rollouts, steps)
     finally:
         del engine.add
         rollouts.close()
